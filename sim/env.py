@@ -1,0 +1,329 @@
+"""The tabletop environment base: arm, table, cameras, action handling and observations.
+
+A task subclass adds its objects (`task_xml`), samples a layout and an instruction on reset (`sample_episode`),
+and defines success (`is_success`) and privileged state (`privileged`). Everything the policy may see is in the
+observation; everything a scripted expert or monitor may additionally use is in `info["privileged"]`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import gymnasium as gym
+import mujoco
+import numpy as np
+
+from sim.arm import ArmController, arm_actuators_xml, arm_xml
+
+CONTROL_HZ = 20.0
+PHYSICS_TIMESTEP = 0.002
+SUBSTEPS = int(round(1.0 / (CONTROL_HZ * PHYSICS_TIMESTEP)))  # 25 physics steps per control step
+POS_SCALE = 0.04  # metres per control step at |action| = 1
+ROT_SCALE = 0.25  # radians per control step at |action| = 1
+TABLE_TOP = 0.0
+PARK_Z = -0.79  # parked (unused) objects rest on the floor under the table, out of every camera's view
+
+COLORS: dict[str, tuple[float, float, float]] = {
+    "red": (0.85, 0.12, 0.12),
+    "green": (0.15, 0.7, 0.2),
+    "blue": (0.15, 0.3, 0.9),
+    "yellow": (0.95, 0.85, 0.1),
+    "purple": (0.55, 0.2, 0.75),
+    "orange": (1.0, 0.5, 0.05),
+    "white": (0.95, 0.95, 0.95),
+    "black": (0.1, 0.1, 0.1),
+}
+
+
+@dataclass
+class TaskConfig:
+    """Difficulty and variation of a task. Every task module's `default_config()` returns one of these."""
+
+    horizon: int = 150  # control steps (20 Hz) before truncation
+    num_distractors: int = 1  # objects present that the instruction does not name
+    x_range: tuple[float, float] = (0.42, 0.62)  # layout range (m) in front of the arm base
+    y_range: tuple[float, float] = (-0.2, 0.2)
+    min_separation: float = 0.1  # minimum xy distance between object centres (m)
+    colors: tuple[str, ...] = ("red", "green", "blue", "yellow", "purple", "orange")
+    yaw_range: float = 0.4  # objects' random yaw, +- radians
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.colors if c not in COLORS]
+        if unknown:
+            raise ValueError(f"TaskConfig.colors has unknown colours {unknown}; valid: {sorted(COLORS)}")
+        if self.horizon <= 0:
+            raise ValueError(f"TaskConfig.horizon must be positive; got {self.horizon}")
+        for name in ("x_range", "y_range"):
+            lo, hi = getattr(self, name)
+            if not lo <= hi:
+                raise ValueError(f"TaskConfig.{name} must be (low, high) with low <= high; got {(lo, hi)}")
+
+    def replace(self, **changes: Any) -> TaskConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class Instructions:
+    """Instruction templates: training templates, plus held-out paraphrases for generalisation tests."""
+
+    train: tuple[str, ...]
+    heldout: tuple[str, ...]
+
+
+def scene_xml(task_bodies: str, *, assets: str = "", actuators: str = "") -> str:
+    return f"""
+<mujoco model="kinema_tabletop">
+  <compiler angle="radian" autolimits="true"/>
+  <option timestep="{PHYSICS_TIMESTEP}" integrator="implicitfast" cone="elliptic" impratio="10">
+    <flag multiccd="enable"/>
+  </option>
+  <visual>
+    <quality shadowsize="0" offsamples="0"/>
+    <headlight ambient="0.45 0.45 0.45" diffuse="0.5 0.5 0.5" specular="0 0 0"/>
+    <global offwidth="640" offheight="480"/>
+  </visual>
+  <default>
+    <geom solref="0.005 1" friction="1 0.005 0.0001"/>
+  </default>
+  <asset>
+    <texture name="grid" type="2d" builtin="checker" rgb1="0.82 0.78 0.7" rgb2="0.78 0.74 0.66" width="64" height="64"/>
+    <material name="table" texture="grid" texrepeat="6 6"/>
+    {assets}
+  </asset>
+  <worldbody>
+    <light pos="0.4 0 1.5" dir="0 0 -1" castshadow="false" diffuse="0.5 0.5 0.5"/>
+    <geom name="floor" type="plane" size="3 3 0.1" pos="0 0 -0.8" rgba="0.3 0.3 0.32 1"/>
+    <geom name="table" type="box" size="0.45 0.55 0.4" pos="0.5 0 -0.4" material="table"/>
+    <camera name="agentview" pos="1.25 0 0.55" xyaxes="0 1 0 -0.5 0 0.866" fovy="50"/>
+    <camera name="overview" pos="1.3 -0.9 0.9" xyaxes="0.6 0.8 0 -0.38 0.29 0.88" fovy="50"/>
+    {arm_xml()}
+    {task_bodies}
+  </worldbody>
+  <actuator>
+    {arm_actuators_xml()}
+    {actuators}
+  </actuator>
+</mujoco>"""
+
+
+class TabletopEnv(gym.Env):
+    """Base class of kinema's MuJoCo tasks.
+
+    Observation (dict): `observation.images.<camera>` uint8 (H, W, 3) for each camera, `observation.state` float32 (8,)
+    = end-effector position (3), end-effector quaternion wxyz (4), gripper opening in [0, 1] (1); `task` = instruction.
+    Action: Box(-1, 1, (7,)) = end-effector translation delta (3), rotation delta (3, axis-angle), gripper (+1 closes).
+    Reward: 1 on the step the task is solved (which terminates the episode), else 0. `info["is_success"]`.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": int(CONTROL_HZ)}
+    name: ClassVar[str] = ""
+    instructions: ClassVar[Instructions]
+
+    def __init__(
+        self,
+        config: TaskConfig | None = None,
+        *,
+        image_size: int | tuple[int, int] = 96,
+        cameras: tuple[str, ...] = ("agentview", "wrist"),
+        instructions: str = "train",
+        objects: str = "train",
+        render_mode: str | None = None,
+    ) -> None:
+        self.config = config if config is not None else self.default_config()
+        if instructions not in ("train", "heldout"):
+            raise ValueError(f"instructions must be 'train' or 'heldout'; got {instructions!r}")
+        if objects not in ("train", "heldout"):
+            raise ValueError(f"objects must be 'train' or 'heldout'; got {objects!r}")
+        self.instruction_split = instructions
+        self.object_split = objects
+        self.image_hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        self.cameras = tuple(cameras)
+        self.render_mode = render_mode
+
+        self.model = mujoco.MjModel.from_xml_string(self.build_xml())
+        self.data = mujoco.MjData(self.model)
+        for cam in self.cameras:
+            if mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_CAMERA, cam) < 0:
+                raise ValueError(f"unknown camera {cam!r}; valid: agentview, wrist, overview")
+        self.arm = ArmController(self.model)
+        self._renderer: mujoco.Renderer | None = None
+        self._video_renderer: mujoco.Renderer | None = None
+        self.task = ""
+        self.steps = 0
+        self.bind()
+
+        h, w = self.image_hw
+        spaces: dict[str, gym.Space] = {
+            f"observation.images.{cam}": gym.spaces.Box(0, 255, (h, w, 3), np.uint8) for cam in self.cameras
+        }
+        spaces["observation.state"] = gym.spaces.Box(-np.inf, np.inf, (8,), np.float32)
+        spaces["task"] = gym.spaces.Text(max_length=256)
+        self.observation_space = gym.spaces.Dict(spaces)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (7,), np.float32)
+
+    # ----- what a task defines -------------------------------------------------------------------------------------
+    @classmethod
+    def default_config(cls) -> TaskConfig:
+        return TaskConfig()
+
+    def task_xml(self) -> str:
+        raise NotImplementedError
+
+    def bind(self) -> None:
+        """Look up the task's ids in the compiled model."""
+
+    def sample_episode(self, rng: np.random.Generator) -> str:
+        """Place objects and colours for a new episode (model/data already reset); return the instruction."""
+        raise NotImplementedError
+
+    def is_success(self) -> bool:
+        raise NotImplementedError
+
+    def privileged(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    # ----- gymnasium API -------------------------------------------------------------------------------------------
+    def build_xml(self) -> str:
+        return scene_xml(self.task_xml())
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        mujoco.mj_resetData(self.model, self.data)
+        self.arm.set_home(self.data)
+        self.task = self.sample_episode(self.np_random)
+        mujoco.mj_forward(self.model, self.data)
+        # Let objects settle on the table before the first observation.
+        mujoco.mj_step(self.model, self.data, nstep=10)
+        self.steps = 0
+        return self._observation(), self._info(False)
+
+    def step(self, action: np.ndarray):
+        action = self.validate_action(action)
+        self.arm.apply(self.data, action[:3] * POS_SCALE, action[3:6] * ROT_SCALE, float(action[6]))
+        mujoco.mj_step(self.model, self.data, nstep=SUBSTEPS)
+        self.steps += 1
+        success = self.is_success()
+        truncated = (not success) and self.steps >= self.config.horizon
+        return self._observation(), float(success), success, truncated, self._info(success)
+
+    def validate_action(self, action: Any) -> np.ndarray:
+        """Reject malformed actions before anything in the simulation changes."""
+        action = np.asarray(action, dtype=np.float64)
+        if action.shape != (7,):
+            raise ValueError(
+                f"{self.name}: action must have shape (7,) = EE translation (3), rotation (3), gripper (1); "
+                f"got shape {action.shape}"
+            )
+        if not np.isfinite(action).all():
+            raise ValueError(f"{self.name}: action contains NaN or inf at indices {np.flatnonzero(~np.isfinite(action)).tolist()}")
+        return np.clip(action, -1.0, 1.0)
+
+    def render(self) -> np.ndarray:
+        """An overview frame (for videos), independent of the policy's cameras."""
+        if self._video_renderer is None:
+            self._video_renderer = mujoco.Renderer(self.model, 240, 320)
+        self._video_renderer.update_scene(self.data, camera="overview")
+        return self._video_renderer.render()
+
+    def close(self) -> None:
+        for r in (self._renderer, self._video_renderer):
+            if r is not None:
+                r.close()
+        self._renderer = self._video_renderer = None
+
+    # ----- state access shared by tasks, experts and monitors ------------------------------------------------------
+    def ee_pos(self) -> np.ndarray:
+        return self.arm.ee_pos(self.data)
+
+    def ee_yaw(self) -> float:
+        mat = self.arm.ee_mat(self.data)
+        return float(np.arctan2(mat[1, 1], mat[0, 1]))  # direction of the finger axis (hand y) in the table plane
+
+    def gripper_opening(self) -> float:
+        return self.arm.gripper_width(self.data) / (2 * 0.04)
+
+    def state_vector(self) -> np.ndarray:
+        quat = np.zeros(4)
+        mujoco.mju_mat2Quat(quat, self.data.site_xmat[self.arm.site_id])
+        if quat[0] < 0:  # q and -q are the same rotation; keep one sign so the policy sees a continuous input
+            quat = -quat
+        return np.concatenate([self.ee_pos(), quat, [self.gripper_opening()]]).astype(np.float32)
+
+    def get_state(self) -> np.ndarray:
+        """Full physics state, for exact rewinds by a simulated human."""
+        size = mujoco.mj_stateSize(self.model, mujoco.mjtState.mjSTATE_INTEGRATION)
+        state = np.empty(size)
+        mujoco.mj_getState(self.model, self.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+        return state
+
+    def set_state(self, state: np.ndarray) -> None:
+        mujoco.mj_setState(self.model, self.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+        mujoco.mj_forward(self.model, self.data)
+
+    def _observation(self) -> dict[str, Any]:
+        obs: dict[str, Any] = {}
+        if self.cameras:
+            if self._renderer is None:
+                self._renderer = mujoco.Renderer(self.model, *self.image_hw)
+            for cam in self.cameras:
+                self._renderer.update_scene(self.data, camera=cam)
+                obs[f"observation.images.{cam}"] = self._renderer.render()
+        obs["observation.state"] = self.state_vector()
+        obs["task"] = self.task
+        return obs
+
+    def _info(self, success: bool) -> dict[str, Any]:
+        return {"is_success": bool(success), "privileged": self.privileged(), "seed_task": self.name}
+
+    # ----- helpers for task subclasses -----------------------------------------------------------------------------
+    def sample_layout(self, rng: np.random.Generator, n: int, *, radius: float | None = None) -> np.ndarray:
+        """n non-overlapping xy positions inside the configured layout ranges."""
+        cfg = self.config
+        sep = cfg.min_separation if radius is None else radius
+        for _ in range(1000):
+            xy = np.stack([rng.uniform(*cfg.x_range, n), rng.uniform(*cfg.y_range, n)], axis=1)
+            d = np.linalg.norm(xy[:, None] - xy[None], axis=-1) + np.eye(n) * 1e9
+            if d.min() >= sep:
+                return xy
+        raise ValueError(
+            f"{self.name}: cannot place {n} objects {sep} m apart in x {cfg.x_range}, y {cfg.y_range}; "
+            "widen the ranges or reduce num_distractors"
+        )
+
+    def set_free_body(self, body: str, pos: np.ndarray, yaw: float = 0.0) -> None:
+        jnt = self.model.body(body).jntadr[0]
+        adr = self.model.jnt_qposadr[jnt]
+        self.data.qpos[adr : adr + 3] = pos
+        self.data.qpos[adr + 3 : adr + 7] = [np.cos(yaw / 2), 0, 0, np.sin(yaw / 2)]
+        self.data.qvel[self.model.jnt_dofadr[jnt] : self.model.jnt_dofadr[jnt] + 6] = 0
+
+    def body_pos(self, body: str) -> np.ndarray:
+        return self.data.xpos[self.model.body(body).id].copy()
+
+    def body_yaw(self, body: str) -> float:
+        mat = self.data.xmat[self.model.body(body).id].reshape(3, 3)
+        return float(np.arctan2(mat[1, 0], mat[0, 0]))
+
+    def set_color(self, geom: str, color: str) -> None:
+        self.model.geom_rgba[self.model.geom(geom).id, :3] = COLORS[color]
+
+    def finger_contacts(self, body: str) -> tuple[bool, bool]:
+        """Whether the left and right finger pads touch `body`."""
+        bid = self.model.body(body).id
+        left = self.model.body("left_finger").id
+        right = self.model.body("right_finger").id
+        touch_l = touch_r = False
+        for i in range(self.data.ncon):
+            c = self.data.contact[i]
+            b1, b2 = self.model.geom_bodyid[c.geom1], self.model.geom_bodyid[c.geom2]
+            pair = {b1, b2}
+            if bid in pair:
+                touch_l |= left in pair
+                touch_r |= right in pair
+        return touch_l, touch_r

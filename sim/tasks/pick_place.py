@@ -1,0 +1,91 @@
+"""Pick-and-place: put the named object on the named plate."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sim.env import COLORS, Instructions, TabletopEnv, TaskConfig
+from sim.tasks.objects import HALF, assign_slots, pick_objects, pool_xml
+
+PLATE_RADIUS = 0.06
+PLATE_HALF_HEIGHT = 0.005
+
+
+def default_config() -> TaskConfig:
+    return TaskConfig(horizon=150, num_distractors=1)
+
+
+class PickPlaceEnv(TabletopEnv):
+    name = "pick_place"
+    instructions = Instructions(
+        train=(
+            "put the {object} on the {plate} plate",
+            "pick up the {object} and place it on the {plate} plate",
+            "move the {object} onto the {plate} plate",
+        ),
+        heldout=(
+            "set the {object} down on the {plate} dish",
+            "grab the {object} and drop it onto the plate that is {plate}",
+            "could you transfer the {object} to the {plate} plate",
+        ),
+    )
+    shapes = ("cube", "brick")
+    max_objects = 4
+
+    @classmethod
+    def default_config(cls) -> TaskConfig:
+        return default_config()
+
+    def task_xml(self) -> str:
+        xml, self.slots = pool_xml({"cube": self.max_objects, "brick": self.max_objects})
+        plates = "".join(
+            f'<body name="plate{i}" pos="{-1 - i} 1 -0.79"><geom name="plate{i}" type="cylinder" '
+            f'size="{PLATE_RADIUS} {PLATE_HALF_HEIGHT}" rgba="1 1 1 1" condim="3"/></body>'
+            for i in range(2)
+        )
+        return xml + plates
+
+    def bind(self) -> None:
+        self.active = []
+
+    def sample_episode(self, rng: np.random.Generator) -> str:
+        cfg = self.config
+        n = min(cfg.num_distractors, self.max_objects - 1)
+        descriptions = pick_objects(rng, cfg.colors, self.shapes, self.object_split, n)
+        self.active = assign_slots(self.slots, descriptions)
+        plate_colors = rng.choice(len(cfg.colors), size=2, replace=False)
+        self.plate_color = cfg.colors[plate_colors[0]]
+        xy = self.sample_layout(rng, len(self.active) + 2, radius=max(cfg.min_separation, 0.13))
+        for i, (slot, (color, _)) in enumerate(zip(self.active, descriptions)):
+            self.set_free_body(slot.body, np.array([*xy[i], HALF]), rng.uniform(-cfg.yaw_range, cfg.yaw_range))
+            self.set_color(slot.geom, color)
+        for i in range(2):
+            self.model.body_pos[self.model.body(f"plate{i}").id] = [*xy[len(self.active) + i], PLATE_HALF_HEIGHT]
+            self.set_color(f"plate{i}", cfg.colors[plate_colors[i]])
+        self.target, self.descriptions = self.active[0], descriptions
+        color, shape = descriptions[0]
+        templates = getattr(self.instructions, self.instruction_split)
+        return templates[rng.integers(len(templates))].format(object=f"{color} {shape}", plate=self.plate_color)
+
+    def goal_pos(self) -> np.ndarray:
+        return self.model.body_pos[self.model.body("plate0").id].copy()
+
+    def place_height(self) -> float:
+        return 2 * PLATE_HALF_HEIGHT + HALF
+
+    def is_success(self) -> bool:
+        obj = self.body_pos(self.target.body)
+        on_plate = np.linalg.norm(obj[:2] - self.goal_pos()[:2]) < PLATE_RADIUS - 0.01
+        resting = abs(obj[2] - self.place_height()) < 0.01
+        return bool(on_plate and resting and not any(self.finger_contacts(self.target.body)))
+
+    def privileged(self) -> dict[str, np.ndarray]:
+        objects = np.zeros((self.max_objects, 3), np.float32)
+        for i, slot in enumerate(self.active):
+            objects[i] = self.body_pos(slot.body)
+        return {
+            "privileged.objects": objects,  # target first, then distractors; zero rows pad
+            "privileged.target_pos": objects[0].copy(),
+            "privileged.goal_pos": self.goal_pos().astype(np.float32),
+            "privileged.contacts": np.array(self.finger_contacts(self.target.body), np.float32),
+        }
