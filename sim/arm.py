@@ -63,7 +63,7 @@ def arm_xml(base_pos: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> str:
                     <geom {cap} size="0.04" fromto="0 0 0 0 0 0.08"/>
                     <body name="hand" pos="0 0 0.107" quat="0.9238795 0 0 -0.3826834" gravcomp="1">
                       <geom type="box" size="0.025 0.1 0.025" pos="0 0 0.03" rgba="{_LINK_RGBA}" contype="0" conaffinity="0"/>
-                      <camera name="wrist" pos="0.09 0 0.0" xyaxes="0 -1 0 0.82 0 0.57" fovy="80"/>
+                      <camera name="wrist" pos="0.07 0 0.02" xyaxes="0 1 0 0.8 0 0.6" fovy="75"/>
                       <site name="ee" pos="0 0 0.1034" size="0.005" rgba="1 0 0 0"/>
                       <body name="left_finger" pos="0 0 0.0584" gravcomp="1">
                         <joint name="finger_joint1" type="slide" axis="0 1 0" range="0 {FINGER_OPEN}" damping="10" armature="0.1"/>

@@ -76,6 +76,22 @@ class Instructions:
     heldout: tuple[str, ...]
 
 
+def look_at(pos: tuple[float, float, float], target: tuple[float, float, float]) -> str:
+    """MJCF `xyaxes` for a camera at `pos` looking at `target` with the world z axis up in the image."""
+    forward = np.subtract(target, pos, dtype=float)
+    forward /= np.linalg.norm(forward)
+    right = np.cross(forward, [0.0, 0.0, 1.0])
+    right /= np.linalg.norm(right)
+    up = np.cross(right, forward)
+    return " ".join(f"{v:.4f}" for v in (*right, *up))
+
+
+# agentview looks from behind the arm's shoulder, so drawer fronts (which face the arm) stay visible;
+# overview (for videos) looks from the side.
+AGENTVIEW = ((0.0, -0.5, 0.65), (0.58, 0.02, 0.02))
+OVERVIEW = ((0.55, -1.05, 0.75), (0.5, 0.0, 0.05))
+
+
 def scene_xml(task_bodies: str, *, assets: str = "", actuators: str = "") -> str:
     return f"""
 <mujoco model="kinema_tabletop">
@@ -100,8 +116,8 @@ def scene_xml(task_bodies: str, *, assets: str = "", actuators: str = "") -> str
     <light pos="0.4 0 1.5" dir="0 0 -1" castshadow="false" diffuse="0.5 0.5 0.5"/>
     <geom name="floor" type="plane" size="3 3 0.1" pos="0 0 -0.8" rgba="0.3 0.3 0.32 1"/>
     <geom name="table" type="box" size="0.45 0.55 0.4" pos="0.5 0 -0.4" material="table"/>
-    <camera name="agentview" pos="1.25 0 0.55" xyaxes="0 1 0 -0.5 0 0.866" fovy="50"/>
-    <camera name="overview" pos="1.3 -0.9 0.9" xyaxes="0.6 0.8 0 -0.38 0.29 0.88" fovy="50"/>
+    <camera name="agentview" pos="{' '.join(map(str, AGENTVIEW[0]))}" xyaxes="{look_at(*AGENTVIEW)}" fovy="52"/>
+    <camera name="overview" pos="{' '.join(map(str, OVERVIEW[0]))}" xyaxes="{look_at(*OVERVIEW)}" fovy="55"/>
     {arm_xml()}
     {task_bodies}
   </worldbody>
@@ -186,6 +202,10 @@ class TabletopEnv(gym.Env):
         raise NotImplementedError
 
     def privileged(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def progress(self) -> float:
+        """Task progress in [0, 1] from privileged state (1 = solved). Used by monitors and segment labelling."""
         raise NotImplementedError
 
     # ----- gymnasium API -------------------------------------------------------------------------------------------
@@ -279,7 +299,7 @@ class TabletopEnv(gym.Env):
         return obs
 
     def _info(self, success: bool) -> dict[str, Any]:
-        return {"is_success": bool(success), "privileged": self.privileged(), "seed_task": self.name}
+        return {"is_success": bool(success), "privileged": self.privileged(), "progress": self.progress()}
 
     # ----- helpers for task subclasses -----------------------------------------------------------------------------
     def sample_layout(self, rng: np.random.Generator, n: int, *, radius: float | None = None) -> np.ndarray:

@@ -112,6 +112,13 @@ class DrawerEnv(TabletopEnv):
     def is_success(self) -> bool:
         return self.drawer_opening() > OPEN_THRESHOLD
 
+    def progress(self) -> float:
+        if self.is_success():
+            return 1.0
+        reach = float(np.clip(1 - np.linalg.norm(self.ee_pos() - self.handle_pos()) / 0.4, 0, 1))
+        holding = all(self.finger_contacts(f"drawer_{self.which}"))
+        return 0.4 * reach + (0.1 if holding else 0.0) + 0.45 * self.drawer_opening() / OPEN_THRESHOLD
+
     def privileged(self) -> dict[str, np.ndarray]:
         objects = np.zeros((self.max_objects + 1, 3), np.float32)
         objects[0] = self.handle_pos()

@@ -65,6 +65,7 @@ class PushEnv(TabletopEnv):
         self.model.body_pos[self.model.body("region").id] = [*xy[-1], 0.001]
         self.set_color("region", self.region_color)
         self.target = self.active[0]
+        self.start_distance = float(np.linalg.norm(xy[0] - xy[-1]))
         templates = getattr(self.instructions, self.instruction_split)
         color, shape = descriptions[0]
         return templates[rng.integers(len(templates))].format(object=f"{color} {shape}", region=self.region_color)
@@ -76,6 +77,14 @@ class PushEnv(TabletopEnv):
         obj = self.body_pos(self.target.body)
         inside = np.abs(obj[:2] - self.goal_pos()[:2]).max() < REGION_HALF - 0.015
         return bool(inside and obj[2] < HALF + 0.01)
+
+    def progress(self) -> float:
+        if self.is_success():
+            return 1.0
+        obj, goal, ee = self.body_pos(self.target.body), self.goal_pos(), self.ee_pos()
+        reach = float(np.clip(1 - np.linalg.norm(ee[:2] - obj[:2]) / 0.4, 0, 1))
+        moved = float(np.clip(1 - np.linalg.norm(obj[:2] - goal[:2]) / max(self.start_distance, 1e-6), 0, 1))
+        return 0.2 * reach + 0.75 * moved
 
     def privileged(self) -> dict[str, np.ndarray]:
         objects = np.zeros((self.max_objects, 3), np.float32)

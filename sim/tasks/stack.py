@@ -69,6 +69,18 @@ class StackEnv(TabletopEnv):
         stacked = abs(top[2] - base[2] - 2 * HALF) < 0.008 and base[2] < HALF + 0.005
         return bool(aligned and stacked and not any(self.finger_contacts(self.target.body)))
 
+    def progress(self) -> float:
+        obj, goal, ee = self.body_pos(self.target.body), self.goal_pos(), self.ee_pos()
+        if self.is_success():
+            return 1.0
+        lifted = obj[2] > HALF + 0.015 and all(self.finger_contacts(self.target.body))
+        above_goal = np.array([goal[0], goal[1], self.place_height()])
+        if np.linalg.norm(obj - above_goal) < 0.02:
+            return 0.95  # placed, not yet released
+        if not lifted:
+            return 0.4 * float(np.clip(1 - np.linalg.norm(ee - obj) / 0.4, 0, 1))
+        return 0.5 + 0.45 * float(np.clip(1 - np.linalg.norm(obj - above_goal) / 0.4, 0, 1))
+
     def privileged(self) -> dict[str, np.ndarray]:
         objects = np.zeros((self.max_objects, 3), np.float32)
         for i, slot in enumerate(self.active):

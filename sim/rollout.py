@@ -1,0 +1,196 @@
+"""Rollout collection: any batched policy, any vector of task envs, Episodes out.
+
+A policy is a callable `obs_batch -> actions`, where `obs_batch` is `{key: array (B, ...)}` plus `"task": list[str]`
+and `actions` is `(B, 7)` or a chunk `(B, H, 7)`; chunks are queued per env and executed step by step. A policy
+may define `reset(env_indices)`, called when those envs start a new episode or when a human hands control back
+(so it recomputes its chunk from the current state).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from diffusion_rl.data import Episode, ExecutedBy
+from sim.env import CONTROL_HZ, TaskConfig
+from sim.experts import ExpertConfig
+from sim.monitor import DemoWrapper, MonitorConfig, SimulatedHuman
+from sim.tasks import make
+from sim.vector import InProcessVector, ProcessVector
+
+
+class BatchPolicy(Protocol):
+    def __call__(self, obs: dict[str, Any]) -> np.ndarray: ...
+
+
+def make_env(
+    task: str,
+    config: TaskConfig | dict[str, Any] | None = None,
+    *,
+    actor: str = "policy",
+    expert: ExpertConfig | None = None,
+    monitor: MonitorConfig | None = None,
+    **env_kwargs: Any,
+):
+    """Build a task env wrapped for who acts: `actor` is "policy", "expert" (demos) or "monitored" (policy + human)."""
+    env = make(task, config, **env_kwargs)
+    if actor == "expert":
+        return DemoWrapper(env, expert)
+    if actor == "monitored":
+        return SimulatedHuman(env, monitor)
+    if actor != "policy":
+        raise ValueError(f"actor must be 'policy', 'expert' or 'monitored'; got {actor!r}")
+    return env
+
+
+def env_fn(task: str, **kwargs: Any) -> Callable[[], Any]:
+    """A picklable env constructor, for worker processes."""
+    return functools.partial(make_env, task, **kwargs)
+
+
+def make_vector(task: str, num_envs: int, *, num_workers: int = 0, **kwargs: Any) -> InProcessVector | ProcessVector:
+    """`num_workers=0` steps the envs in this process; otherwise spreads them over that many processes."""
+    fns = [env_fn(task, **kwargs) for _ in range(num_envs)]
+    return ProcessVector(fns, num_workers) if num_workers else InProcessVector(fns)
+
+
+def zero_policy(obs: dict[str, Any]) -> np.ndarray:
+    """Stands still with the gripper open (useful with `actor="expert"`, where the action is ignored)."""
+    n = len(obs["task"])
+    actions = np.zeros((n, 7), np.float32)
+    actions[:, 6] = -1.0
+    return actions
+
+
+class _EpisodeBuffer:
+    def __init__(self, seed: int | None) -> None:
+        self.seed = seed
+        self.obs: dict[str, list[np.ndarray]] = {}
+        self.privileged: dict[str, list[np.ndarray]] = {}
+        self.actions: list[np.ndarray] = []
+        self.executed_by: list[int] = []
+        self.rewards: list[float] = []
+        self.success: list[bool] = []
+        self.task = ""
+
+    def add_obs(self, obs: dict[str, Any], i: int) -> None:
+        self.task = obs["task"][i]
+        for key, value in obs.items():
+            if key != "task":
+                self.obs.setdefault(key, []).append(np.array(value[i]))
+
+    def add_step(self, action: np.ndarray, info: dict[str, Any], reward: float, privileged: dict[str, Any]) -> None:
+        self.actions.append(np.asarray(info.get("action", action), np.float32))
+        self.executed_by.append(int(info.get("executed_by", ExecutedBy.POLICY)))
+        self.rewards.append(reward)
+        self.success.append(bool(info.get("is_success", False)))
+        for key, value in privileged.items():
+            self.privileged.setdefault(key, []).append(np.asarray(value, np.float32))
+
+    def to_episode(self, task_id: str, policy_version: str, segment: np.ndarray | None) -> Episode:
+        T = len(self.actions)
+        observations = {k: np.stack(v[:T]) for k, v in self.obs.items()}
+        return Episode(
+            observations=observations,
+            action=np.stack(self.actions),
+            task=self.task,
+            executed_by=np.asarray(self.executed_by, np.int8),
+            segment=segment,
+            reward=np.asarray(self.rewards, np.float32),
+            success=np.asarray(self.success, bool),
+            task_id=task_id,
+            seed=self.seed,
+            policy_version=policy_version,
+            fps=CONTROL_HZ,
+            privileged={k: np.stack(v) for k, v in self.privileged.items()},
+        )
+
+
+def collect(
+    vector: InProcessVector | ProcessVector,
+    policy: BatchPolicy,
+    seeds: Iterable[int],
+    *,
+    task_id: str,
+    policy_version: str = "",
+    record_privileged: bool = True,
+    on_episode: Callable[[Episode], None] | None = None,
+) -> list[Episode]:
+    """Run `policy` in `vector` until one episode per seed has finished; return them in completion order."""
+    pending = list(seeds)
+    episodes: list[Episode] = []
+    n = vector.num_envs
+    buffers: list[_EpisodeBuffer | None] = [None] * n
+    queues: list[list[np.ndarray]] = [[] for _ in range(n)]
+    reset_fn = getattr(policy, "reset", None)
+    obs: dict[str, Any] = {}
+
+    def start(i: int) -> None:
+        nonlocal obs
+        if not pending:
+            buffers[i] = None
+            return
+        seed = pending.pop(0)
+        obs, _ = vector.reset_at(i, seed)
+        buffers[i] = _EpisodeBuffer(seed)
+        buffers[i].add_obs(obs, i)
+        queues[i] = []
+        if reset_fn is not None:
+            reset_fn([i])
+
+    for i in range(n):
+        start(i)
+    while any(b is not None for b in buffers):
+        active = np.array([b is not None for b in buffers])
+        if any(active[i] and not queues[i] for i in range(n)):
+            out = np.asarray(policy(obs), np.float32)
+            if out.ndim == 2:
+                out = out[:, None]
+            if out.ndim != 3 or out.shape[0] != n or out.shape[-1] != 7:
+                raise ValueError(f"policy must return (B, 7) or (B, H, 7) with B={n}; got shape {out.shape}")
+            for i in range(n):
+                if active[i] and not queues[i]:
+                    queues[i] = list(out[i])
+        actions = np.zeros((n, 7), np.float32)
+        for i in np.flatnonzero(active):
+            actions[i] = queues[i].pop(0)
+        obs, rewards, terminated, truncated, infos = vector.step(actions, active)
+        for i in np.flatnonzero(active):
+            info = infos[i]
+            priv = info.get("privileged", {}) if record_privileged else {}
+            buffers[i].add_step(actions[i], info, float(rewards[i]), priv)
+            if info.get("executed_by", ExecutedBy.POLICY) == ExecutedBy.HUMAN:
+                queues[i] = []  # the policy replans from the state the human hands back
+            if terminated[i] or truncated[i]:
+                ep = buffers[i].to_episode(task_id, policy_version, info.get("segment_labels"))
+                episodes.append(ep)
+                if on_episode is not None:
+                    on_episode(ep)
+                start(i)
+            else:
+                buffers[i].add_obs(obs, i)
+    return episodes
+
+
+def collect_demos(
+    task: str,
+    num_episodes: int,
+    *,
+    seeds: Sequence[int] | None = None,
+    expert: ExpertConfig | None = None,
+    num_envs: int = 4,
+    num_workers: int = 0,
+    on_episode: Callable[[Episode], None] | None = None,
+    **env_kwargs: Any,
+) -> list[Episode]:
+    """Scripted-expert demonstrations: every step is executed by the expert and labelled human."""
+    seeds = list(range(num_episodes)) if seeds is None else list(seeds)
+    num_envs = max(1, min(num_envs, len(seeds)))
+    vector = make_vector(task, num_envs, num_workers=min(num_workers, num_envs), actor="expert", expert=expert, **env_kwargs)
+    try:
+        return collect(vector, zero_policy, seeds, task_id=task, policy_version="expert", on_episode=on_episode)
+    finally:
+        vector.close()
