@@ -12,6 +12,7 @@ import os
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 import dataclasses
+import string
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -179,7 +180,7 @@ class TabletopEnv(gym.Env):
             f"observation.images.{cam}": gym.spaces.Box(0, 255, (h, w, 3), np.uint8) for cam in self.cameras
         }
         spaces["observation.state"] = gym.spaces.Box(-np.inf, np.inf, (8,), np.float32)
-        spaces["task"] = gym.spaces.Text(max_length=256)
+        spaces["task"] = gym.spaces.Text(max_length=256, charset=string.printable)
         self.observation_space = gym.spaces.Dict(spaces)
         self.action_space = gym.spaces.Box(-1.0, 1.0, (7,), np.float32)
 

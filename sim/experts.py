@@ -183,15 +183,21 @@ class PickPlaceExpert(ScriptedExpert):
 class PushExpert(ScriptedExpert):
     """Line up behind the object on the far side from the region, lower the closed gripper, push through."""
 
+    carry_speed = 0.5  # pushing speed: faster pushes make the object tumble
+
+    def holding(self) -> bool:
+        return any(self.env.finger_contacts(self.env.target.body))
+
     def plan(self) -> tuple[np.ndarray, float, float]:
         env = self.env
         ee, obj, goal = env.ee_pos(), env.body_pos(env.target.body), env.goal_pos()
         d = goal[:2] - obj[:2]
         dist = np.linalg.norm(d)
         direction = d / max(dist, 1e-6)
-        yaw = nearest_equivalent_yaw(np.arctan2(direction[1], direction[0]) + np.pi / 2, self.home_yaw(), np.pi)
+        # Finger axis along the push: the front pad's broad face pushes (not the gap between the two pads).
+        yaw = nearest_equivalent_yaw(np.arctan2(direction[1], direction[0]), self.home_yaw(), np.pi)
         push_z = 0.018
-        behind = obj[:2] - direction * (HALF + 0.035) + self.mis_aim * 0.5
+        behind = obj[:2] - direction * (HALF + 0.045) + self.mis_aim * 0.5
         rel = ee[:2] - obj[:2]
         along = rel @ direction
         lateral = abs(rel @ np.array([-direction[1], direction[0]]))

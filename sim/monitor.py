@@ -77,10 +77,20 @@ class MonitorConfig:
 class SimulatedHuman(gym.Wrapper):
     """A privileged monitor that takes over from the policy before it fails, recovers, corrects, and hands back."""
 
-    def __init__(self, env: TabletopEnv, config: MonitorConfig | None = None, *, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        env: TabletopEnv,
+        config: MonitorConfig | None = None,
+        *,
+        autopilot: ExpertConfig | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """`autopilot`: an imperfect scripted expert that stands in for the learned policy (incoming actions are then
+        ignored), to produce intervention-structured data before any policy exists."""
         super().__init__(env)
         self.config = config or MonitorConfig()
         self.expert = make_expert(env, self.config.expert, seed=seed)
+        self.autopilot = make_expert(env, autopilot, seed=seed) if autopilot is not None else None
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -101,6 +111,10 @@ class SimulatedHuman(gym.Wrapper):
         if seed is not None:
             self.expert.rng = np.random.default_rng([seed, 11])
         self.expert.reset()
+        if self.autopilot is not None:
+            if seed is not None:
+                self.autopilot.rng = np.random.default_rng([seed, 13])
+            self.autopilot.reset()
         self._reset_state()
         self.best_pose = self.env.unwrapped.ee_pos()
         self.best_state = self.env.unwrapped.get_state()
@@ -116,7 +130,7 @@ class SimulatedHuman(gym.Wrapper):
         t = len(self.labels)
         if self.mode == "policy":
             before = env.ee_pos()
-            executed = env.validate_action(action)
+            executed = env.validate_action(self.autopilot() if self.autopilot is not None else action)
             obs, reward, terminated, truncated, info = self.env.step(executed)
             moved = np.linalg.norm(env.ee_pos() - before)
             self.labels.append(Segment.IDLE if moved < self.config.idle_motion else Segment.PROGRESS)
@@ -189,6 +203,8 @@ class SimulatedHuman(gym.Wrapper):
             progress >= self.handback_progress or (not finishing and self.human_steps >= cfg.max_correction_steps + 15)
         ):
             self.mode = "policy"
+            if self.autopilot is not None:
+                self.autopilot.reset()
             self.best_progress = progress
             self.last_gain_step = len(self.labels)
             env: TabletopEnv = self.env.unwrapped

@@ -33,14 +33,18 @@ def make_env(
     actor: str = "policy",
     expert: ExpertConfig | None = None,
     monitor: MonitorConfig | None = None,
+    autopilot: ExpertConfig | None = None,
     **env_kwargs: Any,
 ):
-    """Build a task env wrapped for who acts: `actor` is "policy", "expert" (demos) or "monitored" (policy + human)."""
+    """Build a task env wrapped for who acts: `actor` is "policy", "expert" (demos) or "monitored" (policy + human).
+
+    With `actor="monitored"`, `autopilot` replaces the policy by an imperfect scripted expert (see SimulatedHuman).
+    """
     env = make(task, config, **env_kwargs)
     if actor == "expert":
         return DemoWrapper(env, expert)
     if actor == "monitored":
-        return SimulatedHuman(env, monitor)
+        return SimulatedHuman(env, monitor, autopilot=autopilot)
     if actor != "policy":
         raise ValueError(f"actor must be 'policy', 'expert' or 'monitored'; got {actor!r}")
     return env
@@ -147,10 +151,10 @@ def collect(
         active = np.array([b is not None for b in buffers])
         if any(active[i] and not queues[i] for i in range(n)):
             out = np.asarray(policy(obs), np.float32)
+            if out.ndim not in (2, 3) or out.shape[0] != n or out.shape[-1] != 7:
+                raise ValueError(f"policy must return (B, 7) or (B, H, 7) with B={n}; got shape {out.shape}")
             if out.ndim == 2:
                 out = out[:, None]
-            if out.ndim != 3 or out.shape[0] != n or out.shape[-1] != 7:
-                raise ValueError(f"policy must return (B, 7) or (B, H, 7) with B={n}; got shape {out.shape}")
             for i in range(n):
                 if active[i] and not queues[i]:
                     queues[i] = list(out[i])

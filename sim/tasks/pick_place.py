@@ -7,12 +7,12 @@ import numpy as np
 from sim.env import COLORS, Instructions, TabletopEnv, TaskConfig
 from sim.tasks.objects import HALF, assign_slots, pick_objects, pool_xml
 
-PLATE_RADIUS = 0.06
+PLATE_RADIUS = 0.05
 PLATE_HALF_HEIGHT = 0.005
 
 
 def default_config() -> TaskConfig:
-    return TaskConfig(horizon=150, num_distractors=1)
+    return TaskConfig(horizon=150, num_distractors=1, x_range=(0.38, 0.64), y_range=(-0.22, 0.22), min_separation=0.11)
 
 
 class PickPlaceEnv(TabletopEnv):
@@ -55,7 +55,7 @@ class PickPlaceEnv(TabletopEnv):
         self.active = assign_slots(self.slots, descriptions)
         plate_colors = rng.choice(len(cfg.colors), size=2, replace=False)
         self.plate_color = cfg.colors[plate_colors[0]]
-        xy = self.sample_layout(rng, len(self.active) + 2, radius=max(cfg.min_separation, 0.13))
+        xy = self.sample_layout(rng, len(self.active) + 2)
         for i, (slot, (color, _)) in enumerate(zip(self.active, descriptions)):
             self.set_free_body(slot.body, np.array([*xy[i], HALF]), rng.uniform(-cfg.yaw_range, cfg.yaw_range))
             self.set_color(slot.geom, color)

@@ -1,0 +1,128 @@
+"""Vectorised rollouts, chunked policies, demonstrations, and the simulated human's intervention structure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from diffusion_rl.data import ExecutedBy, Segment
+from sim.experts import ExpertConfig
+from sim.monitor import MonitorConfig
+from sim.rollout import collect, collect_demos, make_vector
+
+
+def random_policy(seed: int, scale: float = 0.5):
+    rng = np.random.default_rng(seed)
+
+    def policy(obs):
+        return rng.normal(0.0, scale, (len(obs["task"]), 7)).astype(np.float32)
+
+    return policy
+
+
+def test_demos_are_labelled_human_and_succeed():
+    episodes = collect_demos("stack", 4, num_envs=2, image_size=32)
+    assert sorted(ep.seed for ep in episodes) == [0, 1, 2, 3]
+    for ep in episodes:
+        assert ep.outcome and ep.success[-1] and ep.steps_to_success == len(ep)
+        assert (ep.executed_by == ExecutedBy.HUMAN).all() and (ep.segment == Segment.HUMAN).all()
+        assert ep.policy_version == "expert" and ep.task_id == "stack"
+        assert ep.observations["observation.images.agentview"].shape == (len(ep), 32, 32, 3)
+        assert ep.privileged["privileged.objects"].shape[0] == len(ep)
+        # Observation t is what the expert saw before action t: the first state is the reset state.
+        assert ep.reward.sum() == 1.0 and ep.reward[-1] == 1.0
+
+
+def test_process_vector_matches_in_process_vector():
+    """Same seeds, same episodes, whether the envs live here or in two worker processes."""
+    kwargs = dict(actor="expert", expert=ExpertConfig(noise=0.3), image_size=32)
+    local = make_vector("push", 3, num_workers=0, **kwargs)
+    remote = make_vector("push", 3, num_workers=2, **kwargs)
+    try:
+        a = {ep.seed: ep for ep in collect(local, random_policy(0), range(5), task_id="push")}
+        b = {ep.seed: ep for ep in collect(remote, random_policy(0), range(5), task_id="push")}
+    finally:
+        local.close()
+        remote.close()
+    assert sorted(a) == sorted(b) == list(range(5))
+    for seed in a:
+        np.testing.assert_array_equal(a[seed].action, b[seed].action)
+        np.testing.assert_array_equal(a[seed].observations["observation.state"], b[seed].observations["observation.state"])
+        np.testing.assert_array_equal(
+            a[seed].observations["observation.images.wrist"], b[seed].observations["observation.images.wrist"]
+        )
+
+
+def test_action_chunks_are_executed_in_order():
+    horizon = 4
+    calls = []
+
+    def chunk_policy(obs):
+        calls.append(1)
+        n = len(obs["task"])
+        chunk = np.zeros((n, horizon, 7), np.float32)
+        chunk[:, :, 0] = np.linspace(0.1, 0.4, horizon)  # a recognisable per-step x command
+        return chunk
+
+    vector = make_vector("pick_place", 2, cameras=(), config={"horizon": 12})
+    episodes = collect(vector, chunk_policy, [0, 1], task_id="pick_place")
+    for ep in episodes:
+        assert len(ep) == 12
+        np.testing.assert_allclose(ep.action[:, 0], np.tile(np.linspace(0.1, 0.4, horizon), 3), atol=1e-6)
+    assert len(calls) == 3  # one chunk of 4 per 4 steps, for both envs at once
+
+
+def test_bad_policy_output_is_a_clear_error():
+    vector = make_vector("push", 2, cameras=())
+    with pytest.raises(ValueError, match="policy must return \\(B, 7\\) or \\(B, H, 7\\) with B=2; got shape \\(2, 6\\)"):
+        collect(vector, lambda obs: np.zeros((2, 6)), [0], task_id="push")
+
+
+@pytest.mark.parametrize("rewind", ["drive", "teleport", "none"])
+def test_simulated_human_intervention_structure(rewind):
+    config = MonitorConfig(rewind=rewind, stall_steps=15, failure_window=5)
+    vector = make_vector("pick_place", 2, cameras=(), actor="monitored", monitor=config)
+    episodes = collect(vector, random_policy(1), range(4), task_id="pick_place")
+    takeovers = 0
+    for ep in episodes:
+        human = ep.executed_by == ExecutedBy.HUMAN
+        # Who acted and what the step is labelled agree exactly.
+        assert np.isin(ep.segment[human], [Segment.RECOVERY, Segment.HUMAN]).all()
+        assert np.isin(ep.segment[~human], [Segment.PROGRESS, Segment.IDLE, Segment.FAILURE_INDUCING]).all()
+        policy_since = 0
+        for start, stop, who in ep.segments():
+            if who == ExecutedBy.POLICY:
+                policy_since = start
+            elif start > 0:
+                takeovers += 1
+                # The policy steps right before a takeover led to it: they are failure_inducing.
+                before = ep.segment[max(policy_since, start - config.failure_window) : start]
+                assert len(before) > 0
+                assert (before == Segment.FAILURE_INDUCING).all()
+                # A recovery (drive-back) comes first, and only when rewinding by driving.
+                has_recovery = (ep.segment[start:stop] == Segment.RECOVERY).any()
+                assert has_recovery == (rewind == "drive")
+                if has_recovery:
+                    assert ep.segment[start] == Segment.RECOVERY
+        assert len({who for _, _, who in ep.segments()}) <= 2
+    assert takeovers >= 4  # a random policy stalls; the human must have stepped in repeatedly
+
+
+def test_monitor_leaves_a_competent_policy_alone():
+    vector = make_vector(
+        "drawer", 2, cameras=(), actor="monitored", monitor=MonitorConfig(), autopilot=ExpertConfig()
+    )
+    episodes = collect(vector, random_policy(0), range(4), task_id="drawer")
+    for ep in episodes:
+        assert ep.outcome
+        assert (ep.executed_by == ExecutedBy.POLICY).all()
+
+
+def test_last_takeover_finishes_the_task():
+    config = MonitorConfig(rewind="teleport", stall_steps=10, max_takeovers=1)
+    vector = make_vector("push", 2, cameras=(), actor="monitored", monitor=config)
+    episodes = collect(vector, random_policy(2, scale=0.05), range(4), task_id="push")
+    for ep in episodes:
+        runs = ep.segments()
+        assert runs[-1][2] == ExecutedBy.HUMAN, "the final takeover never hands back"
+        assert ep.outcome

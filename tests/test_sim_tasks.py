@@ -1,0 +1,170 @@
+"""Every registered task: interface, determinism, bad input, splits, difficulty, and its scripted expert."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sim.experts import ExpertConfig, make_expert
+from sim.tasks import TASKS, make
+from sim.tasks.objects import HELDOUT_COMBOS
+
+ALL_TASKS = sorted(TASKS)
+
+
+def run_expert(env, seed: int, expert: ExpertConfig | None = None) -> tuple[bool, int]:
+    obs, _ = env.reset(seed=seed)
+    policy = make_expert(env, expert, seed=seed)
+    for t in range(env.config.horizon):
+        obs, reward, terminated, truncated, info = env.step(policy(obs))
+        if terminated or truncated:
+            return info["is_success"], t + 1
+    raise AssertionError("episode neither terminated nor truncated at the horizon")
+
+
+@pytest.mark.parametrize("task", ALL_TASKS)
+def test_reset_step_interface(task):
+    env = make(task, image_size=64)
+    obs, info = env.reset(seed=0)
+    assert set(obs) == {"observation.images.agentview", "observation.images.wrist", "observation.state", "task"}
+    for cam in ("agentview", "wrist"):
+        img = obs[f"observation.images.{cam}"]
+        assert img.dtype == np.uint8 and img.shape == (64, 64, 3)
+        assert img.std() > 5, f"{cam} image of {task} is blank"
+    assert obs["observation.state"].dtype == np.float32 and obs["observation.state"].shape == (8,)
+    assert env.observation_space.contains(obs)
+    assert isinstance(obs["task"], str) and len(obs["task"]) > 5
+    assert env.action_space.shape == (7,)
+    # Privileged state is offered in info, never in the observation.
+    assert all(k.startswith("privileged.") for k in info["privileged"])
+    assert not any(k.startswith("privileged") for k in obs)
+    for _ in range(5):
+        obs, reward, terminated, truncated, info = env.step(env.action_space.sample())
+        assert np.isfinite(obs["observation.state"]).all()
+        assert reward == float(info["is_success"])
+        assert 0.0 <= info["progress"] <= 1.0
+    env.close()
+
+
+@pytest.mark.parametrize("task", ALL_TASKS)
+def test_seeded_episodes_are_exactly_reproducible(task):
+    def trajectory(seed):
+        env = make(task, image_size=32)
+        obs, _ = env.reset(seed=seed)
+        expert = make_expert(env, ExpertConfig(noise=0.2), seed=seed)
+        states, images = [], []
+        for _ in range(15):
+            obs, *_ = env.step(expert(obs))
+            states.append(obs["observation.state"])
+            images.append(obs["observation.images.agentview"])
+        return obs["task"], np.stack(states), np.stack(images)
+
+    task_a, states_a, images_a = trajectory(3)
+    task_b, states_b, images_b = trajectory(3)
+    task_c, states_c, _ = trajectory(4)
+    assert task_a == task_b
+    np.testing.assert_array_equal(states_a, states_b)
+    np.testing.assert_array_equal(images_a, images_b)
+    assert not np.array_equal(states_a, states_c)
+
+
+@pytest.mark.parametrize("task", ALL_TASKS)
+def test_scripted_expert_succeeds_at_zero_noise(task):
+    env = make(task, cameras=())
+    results = [run_expert(env, seed)[0] for seed in range(50)]
+    assert np.mean(results) >= 0.95, f"{task}: expert succeeded in {np.mean(results):.0%} of 50 seeds"
+
+
+def test_expert_competence_is_tunable():
+    env = make("pick_place", cameras=())
+    clean = [run_expert(env, s) for s in range(12)]
+    sloppy = [run_expert(env, s, ExpertConfig(noise=0.6, hesitation=0.1, wrong_grasp=1.0)) for s in range(12)]
+    # Sloppier experts are slower (mis-aimed grasps are retried, pauses cost steps) or fail outright.
+    mean_len = lambda rs: np.mean([n if ok else 200 for ok, n in rs])  # noqa: E731
+    assert mean_len(sloppy) > mean_len(clean) + 10
+
+
+def test_unknown_task_lists_valid_ones():
+    with pytest.raises(ValueError, match="valid tasks: drawer, pick_place, push, stack.*Did you mean 'pick_place'"):
+        make("pick_plce")
+
+
+def test_unknown_config_key_lists_valid_ones():
+    with pytest.raises(ValueError, match="unknown task config keys \\['distractors'\\].*num_distractors"):
+        make("stack", {"distractors": 3})
+
+
+@pytest.mark.parametrize(
+    "action, message",
+    [
+        (np.zeros(6), "shape \\(7,\\)"),
+        (np.zeros((1, 7)), "shape \\(7,\\)"),
+        (np.array([0, 0, np.nan, 0, 0, 0, 0]), "NaN or inf at indices \\[2\\]"),
+        (np.array([0, 0, 0, 0, np.inf, 0, 0]), "NaN or inf at indices \\[4\\]"),
+    ],
+)
+def test_bad_action_raises_and_leaves_state_unchanged(action, message):
+    env = make("pick_place", cameras=())
+    env.reset(seed=1)
+    env.step(np.full(7, 0.3))
+    before = env.get_state().copy()
+    steps = env.steps
+    with pytest.raises(ValueError, match=message):
+        env.step(action)
+    np.testing.assert_array_equal(env.get_state(), before)
+    assert env.steps == steps
+
+
+@pytest.mark.parametrize("task", ["pick_place", "push", "stack"])
+def test_heldout_splits(task):
+    cls = TASKS[task]
+    train = make(task, cameras=())
+    heldout = make(task, cameras=(), instructions="heldout", objects="heldout")
+    for seed in range(15):
+        train.reset(seed=seed)
+        heldout.reset(seed=seed)
+        target = train.descriptions[0] if hasattr(train, "descriptions") else None
+        assert any(_matches(t, train.task) for t in cls.instructions.train)
+        assert any(_matches(t, heldout.task) for t in cls.instructions.heldout)
+        assert not any(_matches(t, heldout.task) for t in cls.instructions.train)
+        slot = train.target
+        color = _color_of(train, slot.geom)
+        assert (color, slot.shape) not in HELDOUT_COMBOS, target
+        assert (_color_of(heldout, heldout.target.geom), heldout.target.shape) in HELDOUT_COMBOS
+
+
+def _matches(template: str, text: str) -> bool:
+    prefix = template.split("{")[0]
+    return text.startswith(prefix) and text.endswith(template.split("}")[-1])
+
+
+def _color_of(env, geom: str) -> str:
+    from sim.env import COLORS
+
+    rgb = env.model.geom_rgba[env.model.geom(geom).id, :3]
+    return min(COLORS, key=lambda c: np.abs(np.array(COLORS[c]) - rgb).sum())
+
+
+def test_difficulty_is_configurable():
+    few = make("pick_place", {"num_distractors": 0}, cameras=())
+    many = make("pick_place", {"num_distractors": 3}, cameras=())
+    few.reset(seed=0)
+    many.reset(seed=0)
+    assert len(few.active) == 1 and len(many.active) == 4
+    narrow = make("push", {"x_range": [0.5, 0.5], "y_range": [0.0, 0.0], "num_distractors": 0}, cameras=())
+    with pytest.raises(ValueError, match="cannot place"):
+        narrow.reset(seed=0)
+    only_red_blue = make("stack", {"colors": ["red", "blue"], "num_distractors": 0}, cameras=())
+    only_red_blue.reset(seed=0)
+    assert {_color_of(only_red_blue, s.geom) for s in only_red_blue.active} == {"red", "blue"}
+    with pytest.raises(ValueError, match="unknown colours \\['teal'\\]"):
+        make("stack", {"colors": ["teal"]})
+
+
+def test_layouts_do_not_overlap():
+    env = make("pick_place", {"num_distractors": 3}, cameras=())
+    for seed in range(20):
+        env.reset(seed=seed)
+        xy = np.array([env.body_pos(s.body)[:2] for s in env.active])
+        d = np.linalg.norm(xy[:, None] - xy[None], axis=-1) + np.eye(len(xy))
+        assert d.min() > 0.08
