@@ -1,0 +1,143 @@
+"""Simulation throughput: kinema's env steps/s against the raw MuJoCo physics and render limits, in one run.
+
+- physics limit: the same model replaying the same joint targets with raw `mj_step` (no Python env layer),
+  converted to control steps/s (25 physics steps each);
+- render limit: raw `mujoco.Renderer` frames of the same two cameras at the same size;
+- ratio_state  = state-only env steps/s / physics limit;
+- ratio_camera = camera env steps/s / (1 / (physics time per control step + render time of both cameras)).
+
+Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+os.environ.setdefault("LP_NUM_THREADS", "1")
+
+import mujoco
+import numpy as np
+
+from sim.env import SUBSTEPS
+from sim.rollout import make_vector
+from sim.tasks import make
+
+
+def env_rate(task: str, steps: int, cameras: tuple[str, ...], size: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """Env steps/s under random actions; also returns the start state and the joint targets it produced."""
+    env = make(task, image_size=size, cameras=cameras)
+    rng = np.random.default_rng(0)
+    actions = rng.uniform(-1, 1, (steps, 7)).astype(np.float32)
+    env.reset(seed=0)
+    start = env.get_state()
+    ctrls = np.zeros((steps, env.model.nu))
+    for a in actions[:20]:  # warm-up: renderer context, caches
+        env.step(a)
+    env.set_state(start)
+    t0 = time.perf_counter()
+    for i, a in enumerate(actions):
+        env.step(a)
+        ctrls[i] = env.data.ctrl
+    dt = time.perf_counter() - t0
+    env.close()
+    return steps / dt, start, ctrls
+
+
+def physics_rate(task: str, start: np.ndarray, ctrls: np.ndarray) -> float:
+    env = make(task, cameras=())
+    env.reset(seed=0)
+    m, d = env.model, env.data
+    mujoco.mj_setState(m, d, start, mujoco.mjtState.mjSTATE_INTEGRATION)
+    t0 = time.perf_counter()
+    for ctrl in ctrls:
+        d.ctrl[:] = ctrl
+        mujoco.mj_step(m, d, nstep=SUBSTEPS)
+    return len(ctrls) / (time.perf_counter() - t0)
+
+
+def render_rate(task: str, size: int, frames: int) -> float:
+    """Frames/s of raw Renderer calls for the two policy cameras, alternating like the env does."""
+    env = make(task, cameras=())
+    env.reset(seed=0)
+    renderer = mujoco.Renderer(env.model, size, size)
+    for _ in range(10):
+        renderer.update_scene(env.data, camera="agentview")
+        renderer.render()
+    t0 = time.perf_counter()
+    for i in range(frames):
+        renderer.update_scene(env.data, camera="agentview" if i % 2 == 0 else "wrist")
+        renderer.render()
+    rate = frames / (time.perf_counter() - t0)
+    renderer.close()
+    return rate
+
+
+def vector_rate(task: str, num_envs: int, workers: int, steps: int, size: int) -> float:
+    vector = make_vector(task, num_envs, num_workers=workers, image_size=size)
+    rng = np.random.default_rng(0)
+    try:
+        for i in range(num_envs):
+            vector.reset_at(i, i)
+        for _ in range(5):
+            vector.step(rng.uniform(-1, 1, (num_envs, 7)))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            _, _, term, trunc, _ = vector.step(rng.uniform(-1, 1, (num_envs, 7)))
+            for i in np.flatnonzero(term | trunc):
+                vector.reset_at(int(i), int(i) + 100)
+        return steps * num_envs / (time.perf_counter() - t0)
+    finally:
+        vector.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short run (< 1 minute)")
+    parser.add_argument("--task", default="pick_place")
+    parser.add_argument("--size", type=int, default=96)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--envs-per-worker", type=int, default=4)
+    args = parser.parse_args()
+    steps = 250 if args.quick else 1500
+    cams = ("agentview", "wrist")
+
+    # Interleave each measurement with its reference and keep the best of a few rounds, so that load from other
+    # processes on the machine hits both sides of every ratio alike.
+    rounds = 2 if args.quick else 3
+    state_rate = physics = camera_rate = frames = 0.0
+    for _ in range(rounds):
+        rate, start, ctrls = env_rate(args.task, steps, (), args.size)
+        state_rate, physics = max(state_rate, rate), max(physics, physics_rate(args.task, start, ctrls))
+        camera_rate = max(camera_rate, env_rate(args.task, steps, cams, args.size)[0])
+        frames = max(frames, render_rate(args.task, args.size, 2 * steps))
+    combined_limit = 1.0 / (1.0 / physics + 2.0 / frames)
+    num_envs = args.workers * args.envs_per_worker
+    vec = vector_rate(args.task, num_envs, args.workers, max(steps // num_envs, 40) * 2, args.size)
+
+    result = {
+        "benchmark": "sim_throughput",
+        "task": args.task,
+        "quick": args.quick,
+        "image_size": args.size,
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}, mujoco {mujoco.__version__}",
+        "state_steps_per_s": round(state_rate, 1),
+        "camera_steps_per_s": round(camera_rate, 1),
+        "vector_camera_steps_per_s": round(vec, 1),
+        "vector_workers": args.workers,
+        "vector_envs": num_envs,
+        "physics_limit_steps_per_s": round(physics, 1),
+        "render_limit_steps_per_s": round(frames / 2, 1),
+        "combined_limit_steps_per_s": round(combined_limit, 1),
+        "ratio_state": round(state_rate / physics, 3),
+        "ratio_camera": round(camera_rate / combined_limit, 3),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
