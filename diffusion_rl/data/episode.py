@@ -88,6 +88,9 @@ class Episode:
     privileged: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Own copies of the dicts: normalising dtypes must not change the caller's objects.
+        self.observations = dict(self.observations)
+        self.privileged = dict(self.privileged)
         self.action = np.asarray(self.action, dtype=np.float32)
         if self.action.ndim != 2:
             raise ValueError(f"Episode.action must be (T, action_dim); got shape {self.action.shape}")
@@ -103,6 +106,8 @@ class Episode:
                     raise ValueError(f"{key} must be uint8 (T, H, W, 3); got {value.dtype} {value.shape}")
             else:
                 value = value.astype(np.float32, copy=False)
+                if value.ndim != 2:
+                    raise ValueError(f"{key} must be (T, dim); got shape {value.shape}")
             self.observations[key] = value
         for key, value in list(self.privileged.items()):
             if not key.startswith(PRIVILEGED_PREFIX):

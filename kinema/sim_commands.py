@@ -1,0 +1,140 @@
+"""`kinema sim ...`: list tasks, collect scripted episodes into a dataset, render rollouts to video."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from diffusion_rl.data import Episode, ExecutedBy
+from diffusion_rl.data.lerobot_v3 import LeRobotDatasetWriter
+from kinema.media import write_mp4
+from sim.env import CONTROL_HZ
+from sim.experts import ExpertConfig
+from sim.monitor import MonitorConfig
+from sim.rollout import collect as collect_episodes
+from sim.rollout import make_vector, zero_policy
+from sim.tasks import TASKS, make, task_class
+
+
+def progress_bar(console: Console | None = None) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=console,
+    )
+
+
+def list_tasks(args: argparse.Namespace) -> int:
+    console = Console()
+    table = Table(title="kinema tasks", show_lines=True)
+    table.add_column("task", style="bold")
+    table.add_column("horizon")
+    table.add_column("training instructions")
+    table.add_column("held-out paraphrases")
+    for name, cls in TASKS.items():
+        cfg = cls.default_config()
+        table.add_row(name, str(cfg.horizon), "\n".join(cls.instructions.train), "\n".join(cls.instructions.heldout))
+    console.print(table)
+    return 0
+
+
+def _expert_config(args: argparse.Namespace) -> ExpertConfig:
+    return ExpertConfig(
+        noise=args.expert_noise, hesitation=getattr(args, "hesitation", 0.0), wrong_grasp=getattr(args, "wrong_grasp", 0.0)
+    )
+
+
+def _autopilot(expert: ExpertConfig) -> ExpertConfig:
+    """The imperfect stand-in policy for --interventions: a mediocre policy (noisy, often mis-aims its first grasp)."""
+    return ExpertConfig(
+        noise=max(expert.noise, 0.1), hesitation=max(expert.hesitation, 0.02), wrong_grasp=max(expert.wrong_grasp, 0.3)
+    )
+
+
+def collect(args: argparse.Namespace) -> int:
+    task_class(args.task)  # fail fast, listing valid tasks
+    if args.episodes < 1:
+        raise ValueError(f"--episodes must be at least 1; got {args.episodes}")
+    expert = _expert_config(args)
+    env_kwargs = dict(image_size=args.image_size, instructions=args.instructions, objects=args.objects)
+    if args.interventions:
+        vector_kwargs = dict(actor="monitored", monitor=MonitorConfig(), autopilot=_autopilot(expert))
+        version = "autopilot"
+    else:
+        vector_kwargs = dict(actor="expert", expert=expert)
+        version = "expert"
+    num_envs = max(1, min(args.num_envs, args.episodes))
+    console = Console(stderr=True)
+    preview: list[np.ndarray] = []
+    stats = {"success": 0, "takeovers": 0, "done": 0}
+    with LeRobotDatasetWriter(args.out, fps=CONTROL_HZ) as writer, progress_bar(console) as bar:
+        job = bar.add_task(f"collect {args.task}", total=args.episodes, status="")
+
+        def on_episode(ep: Episode) -> None:
+            writer.add_episode(ep)
+            stats["done"] += 1
+            stats["success"] += ep.outcome
+            stats["takeovers"] += sum(who == ExecutedBy.HUMAN for _, _, who in ep.segments())
+            if args.video and len(preview) < 4 * 150:
+                preview.extend(ep.observations["observation.images.agentview"])
+            status = f"success {stats['success'] / stats['done']:.0%}"
+            if args.interventions:
+                status += f", takeovers/episode {stats['takeovers'] / stats['done']:.2f}"
+            bar.update(job, advance=1, status=status)
+
+        vector = make_vector(args.task, num_envs, num_workers=min(args.workers, num_envs), **vector_kwargs, **env_kwargs)
+        try:
+            seeds = range(args.seed, args.seed + args.episodes)
+            collect_episodes(vector, zero_policy, seeds, task_id=args.task, policy_version=version, on_episode=on_episode)
+        finally:
+            vector.close()
+    if args.video and preview:
+        write_mp4(args.video, np.stack(preview), CONTROL_HZ)
+    console.print(
+        f"wrote {stats['done']} episodes to {args.out} (success {stats['success'] / stats['done']:.0%})"
+        + (f"; preview {args.video}" if args.video else "")
+    )
+    return 0
+
+
+def render(args: argparse.Namespace) -> int:
+    from sim.monitor import DemoWrapper, SimulatedHuman
+
+    if not str(args.out).endswith(".mp4"):
+        raise ValueError(f"--out must be an .mp4 file; got {args.out}")
+    env = make(args.task, image_size=120, cameras=("agentview", "wrist") if args.cameras else ())
+    expert = ExpertConfig(noise=args.expert_noise)
+    wrapped = SimulatedHuman(env, MonitorConfig(), autopilot=_autopilot(expert)) if args.interventions else DemoWrapper(env, expert)
+    frames: list[np.ndarray] = []
+    console = Console(stderr=True)
+    with progress_bar(console) as bar:
+        job = bar.add_task(f"render {args.task}", total=args.episodes * env.config.horizon, status="")
+        for e in range(args.episodes):
+            obs, _ = wrapped.reset(seed=args.seed + e)
+            for _ in range(env.config.horizon):
+                obs, _, terminated, truncated, info = wrapped.step(np.zeros(7, np.float32))
+                frame = env.render()
+                if args.cameras:
+                    # 240-pixel overview beside the policy's two 120-pixel views, stacked.
+                    side = np.concatenate([obs["observation.images.agentview"], obs["observation.images.wrist"]], axis=0)
+                    frame = np.concatenate([frame, side], axis=1)
+                if info.get("executed_by") == ExecutedBy.HUMAN:
+                    frame = frame.copy()
+                    frame[:4], frame[-4:], frame[:, :4], frame[:, -4:] = (220, 30, 30), (220, 30, 30), (220, 30, 30), (220, 30, 30)
+                frames.append(frame)
+                bar.update(job, advance=1, status="success" if info["is_success"] else "")
+                if terminated or truncated:
+                    break
+    env.close()
+    write_mp4(args.out, np.stack(frames), CONTROL_HZ)
+    console.print(f"wrote {args.out} ({len(frames)} frames)")
+    return 0
