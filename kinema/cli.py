@@ -43,6 +43,26 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
     render.add_argument("--cameras", action="store_true", help="add the policy's agentview and wrist cameras")
 
 
+def _add_train_commands(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser(
+        "train",
+        help="demos -> SFT -> online RL of the VLA in simulation, with evaluation and a report",
+        description="Train the VLA: scripted demonstrations, SFT, then RL rounds (HABC by default). "
+        "Any config key can be overridden as --key.sub value (e.g. --rl.rounds 3 --task stack).",
+    )
+    train.add_argument("--config", default=None, help="YAML config (see assets/configs/); defaults are the embedded config")
+    train.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
+
+    ev = sub.add_parser("eval", help="evaluate a policy checkpoint in simulation and write a report")
+    ev.add_argument("--policy", required=True, help="checkpoint folder (config.json + model.safetensors)")
+    ev.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
+    ev.add_argument("--episodes", type=int, default=100)
+    ev.add_argument("--splits", default="train,heldout_instructions,heldout_objects", help="comma-separated")
+    ev.add_argument("--out", default=None, help="report folder (default: <checkpoint>/eval-<task>)")
+    ev.add_argument("--workers", type=int, default=2)
+    ev.add_argument("--videos", type=int, default=2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kinema",
@@ -50,12 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_sim_commands(sub)
+    _add_train_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        if args.command == "train":
+            from kinema.train.commands import train_command
+
+            return train_command(args, extra)
+        if args.command == "eval":
+            from kinema.train.commands import eval_command
+
+            return eval_command(args)
         if args.command == "sim":
             from kinema import sim_commands
 
@@ -65,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileExistsError, FileNotFoundError) as err:
         print(f"kinema: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kinema: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,0 +1,1 @@
+"""`kinema train` and `kinema eval`: the VLA workflow in simulation."""

@@ -1,0 +1,95 @@
+"""Episodes in memory as training samples: (observation at t, action chunk t..t+H-1, labels) for the VLA.
+
+Images stay uint8 and are converted per minibatch. Each step keeps which episode it came from, so per-step
+weights from the credit machinery (HABC, AWR) line up with samples by a flat step index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from diffusion_rl.data import Episode
+
+AUX_KEYS = ("privileged.objects", "privileged.target_pos", "privileged.goal_pos")
+
+
+def aux_targets(ep: Episode) -> np.ndarray | None:
+    """Privileged positions flattened per step (T, aux_dim), or None if the episode has none (real robots)."""
+    if not all(k in ep.privileged for k in AUX_KEYS):
+        return None
+    return np.concatenate([ep.privileged[k].reshape(len(ep), -1) for k in AUX_KEYS], axis=1).astype(np.float32)
+
+
+@dataclass
+class StepBuffer:
+    """All steps of a list of episodes, flattened: arrays are (N_steps, ...); `episode_start[e]` indexes them."""
+
+    images: dict[str, np.ndarray]
+    state: np.ndarray
+    action: np.ndarray
+    aux: np.ndarray | None
+    task: list[str]
+    episode_of_step: np.ndarray
+    step_in_episode: np.ndarray
+    episode_start: np.ndarray
+    episode_length: np.ndarray
+
+    @classmethod
+    def from_episodes(cls, episodes: Sequence[Episode], cameras: Sequence[str]) -> StepBuffer:
+        if not episodes:
+            raise ValueError("no episodes to build a training buffer from")
+        lengths = np.array([len(ep) for ep in episodes])
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        images = {}
+        for cam in cameras:
+            key = f"observation.images.{cam}"
+            missing = [i for i, ep in enumerate(episodes) if key not in ep.observations]
+            if missing:
+                raise ValueError(f"episodes {missing[:5]} lack camera {key!r} that the policy reads")
+            images[cam] = np.concatenate([ep.observations[key] for ep in episodes])
+        aux_parts = [aux_targets(ep) for ep in episodes]
+        aux = np.concatenate(aux_parts) if all(a is not None for a in aux_parts) else None
+        return cls(
+            images=images,
+            state=np.concatenate([ep.observations["observation.state"] for ep in episodes]),
+            action=np.concatenate([ep.action for ep in episodes]),
+            aux=aux,
+            task=[ep.task for ep in episodes for _ in range(len(ep))],
+            episode_of_step=np.repeat(np.arange(len(episodes)), lengths),
+            step_in_episode=np.concatenate([np.arange(n) for n in lengths]),
+            episode_start=starts,
+            episode_length=lengths,
+        )
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+    def batch(self, index: np.ndarray, chunk_size: int, device: torch.device | str = "cpu") -> dict:
+        """The samples at flat step indices `index`: observation at t and the chunk a[t : t + chunk_size]."""
+        ep = self.episode_of_step[index]
+        t = self.step_in_episode[index]
+        offsets = np.arange(chunk_size)
+        steps = t[:, None] + offsets[None]
+        is_pad = steps >= self.episode_length[ep][:, None]
+        last = self.episode_length[ep][:, None] - 1
+        flat = self.episode_start[ep][:, None] + np.minimum(steps, last)
+        out = {
+            f"observation.images.{cam}": torch.from_numpy(images[index]).to(device) for cam, images in self.images.items()
+        }
+        out["observation.state"] = torch.from_numpy(self.state[index]).to(device)
+        out["task"] = [self.task[i] for i in index]
+        out["action"] = torch.from_numpy(self.action[flat]).to(device)
+        out["action_is_pad"] = torch.from_numpy(is_pad).to(device)
+        if self.aux is not None:
+            out["aux_target"] = torch.from_numpy(self.aux[index]).to(device)
+        return out
+
+    def stats(self) -> dict[str, dict[str, np.ndarray]]:
+        out = {"observation.state": {"mean": self.state.mean(0), "std": self.state.std(0)}}
+        if self.aux is not None:
+            out["aux"] = {"mean": self.aux.mean(0), "std": self.aux.std(0)}
+        return out

@@ -1,0 +1,69 @@
+"""The `kinema train` and `kinema eval` commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from kinema.train.config import load_config
+
+
+def train_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    from kinema.train.workflow import train
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved = run_dir / "config.yaml"
+        if not saved.is_file():
+            raise FileNotFoundError(f"{run_dir} is not a kinema run folder (no config.yaml)")
+        cfg = load_config(str(saved), overrides + ["--out", str(run_dir)])
+        train(cfg, resume=True)
+        return 0
+    cfg = load_config(args.config, overrides)
+    train(cfg)
+    return 0
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from kinema.train.evaluate import evaluate
+    from policies.vla import VLAPolicy
+    from sim.tasks import task_class
+
+    task_class(args.task)
+    console = Console(stderr=True)
+    policy = VLAPolicy.from_pretrained(args.policy)
+    seen = policy.config.extra.get("tasks", [])
+    if seen and args.task not in seen:
+        console.print(f"[yellow]note: this checkpoint was trained on {seen}, not on {args.task!r}: evaluating anyway")
+    out = Path(args.out or Path(args.policy) / f"eval-{args.task}")
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for split in args.splits.split(","):
+        res, _ = evaluate(
+            policy, args.task, episodes=args.episodes, split=split.strip(), num_workers=args.workers,
+            image_size=policy.config.image_size,
+        )  # fmt: skip
+        results[split] = res.as_dict()
+        console.print(f"{split}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes")
+    (out / "eval.json").write_text(json.dumps({"policy": args.policy, "task": args.task, "seen_tasks": seen, "results": results}, indent=2))
+    lines = [f"# kinema eval: {args.policy} on {args.task}", ""]
+    if seen and args.task not in seen:
+        lines += [f"Note: the checkpoint was trained on {seen}; {args.task} is unseen.", ""]
+    lines += ["| split | success | steps to success |", "|---|---|---|"]
+    for split, r in results.items():
+        steps = f"{r['steps_to_success']:.1f}" if r["steps_to_success"] else "–"
+        lines.append(f"| {split} | {100 * r['success']:.0f} ± {100 * r['success_se']:.0f}% (n={r['episodes']}) | {steps} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    if args.videos:
+        from kinema.train.config import TrainConfig
+        from kinema.train.report import record_videos
+
+        cfg = TrainConfig(task=args.task)
+        cfg.eval.videos = args.videos
+        cfg.policy.image_size = policy.config.image_size
+        record_videos(policy, cfg, out / "videos", "eval")
+    console.print(f"report: {out / 'report.md'}")
+    return 0

@@ -1,0 +1,157 @@
+"""`kinema train` configuration: typed dataclasses, loaded from YAML (assets/configs/) with dotted overrides.
+
+    kinema train --config assets/configs/push_habc.yaml --rl.rounds 4 --sft.steps 3000
+
+An unknown key, in the file or on the command line, is an error that lists the valid keys at that level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import draccus
+import yaml
+
+RL_METHODS = ("habc", "sft_continued", "awr", "flow_ppo", "none")
+
+
+@dataclass
+class DemoConfig:
+    episodes: int = 200  # scripted demonstrations for SFT (the knob that places the SFT baseline)
+    noise: float = 0.05  # expert action noise: clean demos are what a flow head copies well
+    hesitation: float = 0.0
+    wrong_grasp: float = 0.0
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 3000  # gradient steps of supervised flow matching on the demos
+    batch_size: int = 64
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    aux_weight: float = 1.0  # weight of the privileged object-position head (0 disables)
+
+
+@dataclass
+class HABCOptions:
+    gate: str = "paper"  # paper | fixed_mix | viability_only | efficiency_only | exp
+    intervention_credit: bool = True  # False: the "no intervention-aware credit" ablation
+    intervention_reweighting: bool = False  # human steps weighted by g instead of 1
+    warmup_rounds: int = 0  # rounds with g = 1 (critics still train)
+    critic_steps: int = 400  # critic gradient steps per round
+    critic_lr: float = 1e-3
+
+
+@dataclass
+class RLConfig:
+    method: str = "habc"  # habc | sft_continued (the control) | awr | flow_ppo | none
+    rounds: int = 4
+    episodes_per_round: int = 48  # rollouts per round
+    updates_per_round: int = 600  # actor gradient steps per round
+    batch_size: int = 64
+    lr: float = 1e-4
+    demo_fraction: float = 0.5  # share of each actor minibatch drawn from the demonstrations
+    replay_rounds: int = 3  # rollouts of this many recent rounds are kept
+    interventions: bool = False  # a simulated human monitors the policy and takes over before failures
+    awr_temperature: float = 1.0  # single-critic AWR baseline: w = exp(A / temperature), clipped
+    ppo_clip: float = 0.2  # flow_ppo baseline
+    ppo_noise_level: float = 0.5
+    ppo_epochs: int = 2
+    success_model: bool = True  # refit the eVTA_0 success-probability model every round (RLER) and log calibration
+    habc: HABCOptions = field(default_factory=HABCOptions)
+
+
+@dataclass
+class EvalConfig:
+    episodes: int = 100  # per split at the final evaluation (>= 100 for a 4-5 point standard error)
+    round_episodes: int = 48  # per evaluation between rounds
+    heldout: bool = True  # also evaluate held-out paraphrases and held-out object combinations
+    videos: int = 2  # rollout MP4s before and after RL
+
+
+@dataclass
+class PolicyOptions:
+    image_size: int = 64
+    chunk_size: int = 8
+    n_action_steps: int = 4
+    num_flow_steps: int = 10
+    backbone: str = "tiny"
+
+
+@dataclass
+class TrainConfig:
+    task: str = "push"  # the task family (kinema sim list)
+    task_config: dict[str, Any] = field(default_factory=dict)  # overrides of the task's difficulty config
+    out: str = ""  # run folder; default runs/<task>-<method>-<seed>
+    seed: int = 0
+    num_envs: int = 8  # envs per rollout batch
+    workers: int = 2  # env worker processes (0: step envs in this process)
+    threads: int = 1  # torch threads; one per process is fastest on a shared CPU
+    dataset: str = ""  # train SFT on this LeRobotDataset folder instead of collecting scripted demos
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    demos: DemoConfig = field(default_factory=DemoConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.rl.method not in RL_METHODS:
+            raise ValueError(f"rl.method {self.rl.method!r} is not known; valid: {', '.join(RL_METHODS)}")
+        if self.rl.habc.gate not in ("paper", "fixed_mix", "viability_only", "efficiency_only", "exp"):
+            raise ValueError(
+                f"rl.habc.gate {self.rl.habc.gate!r} is not known; valid: paper, fixed_mix, viability_only, efficiency_only, exp"
+            )
+        if not 0.0 <= self.rl.demo_fraction <= 1.0:
+            raise ValueError(f"rl.demo_fraction must be in [0, 1]; got {self.rl.demo_fraction}")
+        for name, value in (("sft.steps", self.sft.steps), ("rl.rounds", self.rl.rounds), ("eval.episodes", self.eval.episodes)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0; got {value}")
+
+    def run_dir(self) -> Path:
+        return Path(self.out or f"runs/{self.task}-{self.rl.method}-s{self.seed}")
+
+
+def _valid_keys(cls: type, prefix: str = "") -> dict[str, list[str]]:
+    """Per dotted prefix, the valid field names (nested dataclasses recurse)."""
+    out = {prefix: [f.name for f in dataclasses.fields(cls)]}
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        if dataclasses.is_dataclass(default):
+            out.update(_valid_keys(type(default), f"{prefix}{f.name}."))
+    return out
+
+
+def _check_keys(data: Any, valid: dict[str, list[str]], prefix: str = "", source: str = "") -> None:
+    if not isinstance(data, dict) or prefix not in valid:
+        return
+    for key, value in data.items():
+        if key not in valid[prefix]:
+            raise ValueError(f"unknown config key {prefix}{key!r}{source}; valid keys here: {', '.join(valid[prefix])}")
+        if f"{prefix}{key}." in valid:
+            _check_keys(value, valid, f"{prefix}{key}.", source)
+
+
+def load_config(config_path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """TrainConfig from an optional YAML file plus `--a.b value` / `--a.b=value` overrides."""
+    valid = _valid_keys(TrainConfig)
+    if config_path:
+        path = Path(config_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist (configs ship in assets/configs/)")
+        _check_keys(yaml.safe_load(path.read_text()) or {}, valid, "", f" in {path}")
+    for arg in overrides or []:
+        if arg.startswith("--"):
+            dotted = arg[2:].split("=", 1)[0]
+            *parents, leaf = dotted.split(".")
+            prefix = "".join(p + "." for p in parents)
+            if prefix not in valid or leaf not in valid[prefix]:
+                level = valid.get(prefix, valid[""])
+                raise ValueError(f"unknown config key {dotted!r} on the command line; valid keys here: {', '.join(level)}")
+    return draccus.parse(config_class=TrainConfig, config_path=config_path, args=list(overrides or []))
+
+
+def dump_config(config: TrainConfig) -> str:
+    return draccus.dump(config)

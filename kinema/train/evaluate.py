@@ -1,0 +1,105 @@
+"""Evaluate a policy in simulation: success rate with its standard error, steps-to-success, takeover rate."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffusion_rl.data import Episode, ExecutedBy
+from sim.rollout import collect, make_vector
+
+EVAL_SEED_OFFSET = 1_000_000  # evaluation seeds never overlap training/demo seeds
+
+
+class ChunkPolicy:
+    """Adapts a VLA (or anything with `predict_action_chunk`) to sim.rollout's batched policy interface."""
+
+    def __init__(self, policy: Any, *, n_action_steps: int | None = None, sde_noise: float | None = None) -> None:
+        self.policy = policy
+        self.n_action_steps = n_action_steps or policy.config.n_action_steps
+        self.sde_noise = sde_noise
+        self.records: list[dict[str, torch.Tensor]] = []
+
+    @torch.no_grad()
+    def __call__(self, obs: dict[str, Any]) -> np.ndarray:
+        was_training = self.policy.training
+        self.policy.eval()
+        batch = {k: (torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v) for k, v in obs.items()}
+        chunk = self.policy.predict_action_chunk(batch)
+        self.policy.train(was_training)
+        return chunk[:, : self.n_action_steps].cpu().numpy()
+
+
+@dataclass
+class EvalResult:
+    split: str
+    episodes: int
+    success: float
+    success_se: float
+    steps_to_success: float | None
+    takeover_rate: float | None
+
+    def as_dict(self, prefix: str = "") -> dict[str, float | None]:
+        return {
+            f"{prefix}success": self.success,
+            f"{prefix}success_se": self.success_se,
+            f"{prefix}steps_to_success": self.steps_to_success,
+            f"{prefix}takeover_rate": self.takeover_rate,
+            f"{prefix}episodes": self.episodes,
+        }
+
+
+def summarize(episodes: Sequence[Episode], split: str = "train") -> EvalResult:
+    n = len(episodes)
+    outcomes = np.array([ep.outcome for ep in episodes], float)
+    p = float(outcomes.mean()) if n else 0.0
+    steps = [ep.steps_to_success for ep in episodes if ep.outcome and ep.steps_to_success]
+    takeovers = [sum(1 for _, _, who in ep.segments() if who == ExecutedBy.HUMAN) for ep in episodes]
+    any_policy = any((ep.executed_by == ExecutedBy.POLICY).any() for ep in episodes)
+    return EvalResult(
+        split=split,
+        episodes=n,
+        success=p,
+        success_se=math.sqrt(p * (1 - p) / n) if n else float("nan"),
+        steps_to_success=float(np.mean(steps)) if steps else None,
+        takeover_rate=float(np.mean(takeovers)) if any_policy and any(takeovers) else (0.0 if any_policy else None),
+    )
+
+
+def evaluate(
+    policy: Any,
+    task: str,
+    *,
+    episodes: int,
+    split: str = "train",
+    num_envs: int = 8,
+    num_workers: int = 0,
+    image_size: int = 64,
+    task_config: dict | None = None,
+    seed: int = 0,
+    on_episode: Callable[[Episode], None] | None = None,
+) -> tuple[EvalResult, list[Episode]]:
+    """Roll the policy out on held-out seeds. `split`: "train" (training templates and objects),
+    "heldout_instructions" (paraphrases) or "heldout_objects" (held-out object/colour combinations)."""
+    splits = {
+        "train": dict(instructions="train", objects="train"),
+        "heldout_instructions": dict(instructions="heldout", objects="train"),
+        "heldout_objects": dict(instructions="train", objects="heldout"),
+    }
+    if split not in splits:
+        raise ValueError(f"unknown evaluation split {split!r}; valid: {sorted(splits)}")
+    num_envs = max(1, min(num_envs, episodes))
+    vector = make_vector(
+        task, num_envs, num_workers=min(num_workers, num_envs), image_size=image_size, config=task_config, **splits[split]
+    )
+    try:
+        seeds = range(EVAL_SEED_OFFSET + seed, EVAL_SEED_OFFSET + seed + episodes)
+        eps = collect(vector, ChunkPolicy(policy), seeds, task_id=task, policy_version="eval", record_privileged=False, on_episode=on_episode)
+    finally:
+        vector.close()
+    return summarize(eps, split), eps

@@ -1,0 +1,360 @@
+"""`kinema train`: demonstrations -> SFT -> online RL in rounds -> evaluation and a report.
+
+Reads top to bottom:
+    1. set up the run folder (or resume one);
+    2. demonstrations (scripted expert, or a LeRobotDataset folder);
+    3. SFT of the VLA (the baseline checkpoint), evaluated;
+    4. RL rounds: roll out (optionally with the simulated human) -> refit the success model (RLER) ->
+       update the critics -> per-step credit -> weighted flow-matching actor updates -> evaluate -> checkpoint;
+    5. final evaluation on training templates, held-out paraphrases and held-out objects; curves, videos, report.
+
+Every method (SFT only, continued SFT, AWR, HABC and its ablations) runs through this one path, selected by
+`rl.method` and `rl.habc.*`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from diffusion_rl.data import Episode, ExecutedBy
+from diffusion_rl.data.lerobot_v3 import read_episodes, write_episodes
+from diffusion_rl.habc import HABCConfig
+from kinema.sim_commands import progress_bar
+from kinema.train.buffer import StepBuffer
+from kinema.train.config import TrainConfig, dump_config
+from kinema.train.credit import CriticState, awr_step_weights, habc_step_weights, refit_success_model
+from kinema.train.evaluate import ChunkPolicy, EvalResult, evaluate, summarize
+from kinema.train.report import record_videos, write_curves, write_report
+from policies.vla import VLAConfig, VLAPolicy
+from sim.experts import ExpertConfig
+from sim.monitor import MonitorConfig
+from sim.rollout import collect, collect_demos, make_vector
+
+STATE_FILE = "state.json"
+ROLLOUT_SEED_OFFSET = 100_000  # rollout seeds: disjoint from demo seeds (0..) and evaluation seeds (1e6..)
+
+
+class Run:
+    """The run folder: metrics log, checkpoints, the resumable state."""
+
+    def __init__(self, root: Path, console: Console) -> None:
+        self.root = root
+        self.console = console
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "checkpoints").mkdir(exist_ok=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = {"time": round(time.time(), 1), **record}
+        with open(self.root / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict[str, Any]]:
+        path = self.root / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def state(self) -> dict[str, Any]:
+        path = self.root / STATE_FILE
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        tmp = self.root / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        os.replace(tmp, self.root / STATE_FILE)
+
+
+def save_checkpoint(run: Run, name: str, policy: VLAPolicy, optimizer: torch.optim.Optimizer, critics: CriticState, state: dict) -> Path:
+    """Policy weights + config (loadable by `VLAPolicy.from_pretrained`) and the trainer state for --resume."""
+    trainer = io.BytesIO()
+    torch.save({"optimizer": optimizer.state_dict(), "critics": critics.state_dict(), "state": state}, trainer)
+    path = run.root / "checkpoints" / name
+    policy.save_pretrained(str(path), extra_files={"trainer.pt": trainer.getvalue()})
+    return path
+
+
+def load_trainer(path: Path, optimizer: torch.optim.Optimizer, critics: CriticState) -> None:
+    trainer = torch.load(path / "trainer.pt", weights_only=False)
+    optimizer.load_state_dict(trainer["optimizer"])
+    critics.load_state_dict(trainer["critics"])
+
+
+def policy_features(policy: VLAPolicy, buffer: StepBuffer, batch_size: int = 256) -> torch.Tensor:
+    """φ(s) for every step of a buffer, (N_steps, hidden_dim), in eval mode (no augmentation)."""
+    was_training = policy.training
+    policy.eval()
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(buffer), batch_size):
+            index = np.arange(start, min(start + batch_size, len(buffer)))
+            out.append(policy.features(buffer.batch(index, policy.config.chunk_size)))
+    policy.train(was_training)
+    return torch.cat(out)
+
+
+def split_per_episode(flat: torch.Tensor, buffer: StepBuffer) -> list[torch.Tensor]:
+    return [flat[s : s + n] for s, n in zip(buffer.episode_start, buffer.episode_length)]
+
+
+def actor_updates(
+    policy: VLAPolicy,
+    optimizer: torch.optim.Optimizer,
+    *,
+    steps: int,
+    batch_size: int,
+    demos: StepBuffer,
+    replay: StepBuffer | None,
+    replay_weights: np.ndarray | None,
+    demo_fraction: float,
+    aux_weight: float,
+    rng: np.random.Generator,
+    on_step=None,
+) -> dict[str, float]:
+    """Flow-matching updates on a mix of demonstrations (weight 1) and replay steps drawn ∝ their credit weight."""
+    use_replay = replay is not None and replay_weights is not None and replay_weights.sum() > 0
+    n_replay = 0 if not use_replay else int(round(batch_size * (1.0 - demo_fraction)))
+    probs = replay_weights / replay_weights.sum() if use_replay else None
+    losses = []
+    policy.train()
+    for _ in range(steps):
+        parts = [demos.batch(rng.integers(0, len(demos), batch_size - n_replay), policy.config.chunk_size)]
+        if n_replay:
+            parts.append(replay.batch(rng.choice(len(replay), n_replay, p=probs), policy.config.chunk_size))
+        batch = _concat_batches(parts)
+        context = policy.features(batch)
+        loss = policy.flow_loss(batch, context=context).mean()
+        if aux_weight and "aux_target" in batch:
+            loss = loss + aux_weight * policy.aux_loss(batch, context).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step()
+    return {"actor/loss": float(np.mean(losses)) if losses else float("nan"), "actor/replay_share": n_replay / batch_size}
+
+
+def _concat_batches(parts: Sequence[dict]) -> dict:
+    if len(parts) == 1:
+        return parts[0]
+    keys = set(parts[0]).intersection(*parts[1:])
+    return {k: (sum((p[k] for p in parts), []) if k == "task" else torch.cat([p[k] for p in parts])) for k in keys}
+
+
+def rollouts(policy: VLAPolicy, cfg: TrainConfig, seeds: Sequence[int], round_index: int) -> list[Episode]:
+    kwargs: dict[str, Any] = dict(image_size=cfg.policy.image_size, config=cfg.task_config or None)
+    if cfg.rl.interventions:
+        kwargs.update(actor="monitored", monitor=MonitorConfig())
+    num_envs = max(1, min(cfg.num_envs, len(seeds)))
+    vector = make_vector(cfg.task, num_envs, num_workers=min(cfg.workers, num_envs), **kwargs)
+    try:
+        return collect(vector, ChunkPolicy(policy), seeds, task_id=cfg.task, policy_version=f"round-{round_index}")
+    finally:
+        vector.close()
+
+
+def evaluate_all(policy: VLAPolicy, cfg: TrainConfig, episodes: int, *, heldout: bool) -> dict[str, EvalResult]:
+    splits = ["train", "heldout_instructions", "heldout_objects"] if heldout else ["train"]
+    out = {}
+    for split in splits:
+        try:
+            out[split], _ = evaluate(
+                policy, cfg.task, episodes=episodes, split=split, num_envs=cfg.num_envs, num_workers=cfg.workers,
+                image_size=cfg.policy.image_size, task_config=cfg.task_config or None, seed=cfg.seed * 10_000,
+            )  # fmt: skip
+        except ValueError as err:  # e.g. a task without held-out object combinations
+            out[split] = None
+            Console(stderr=True).print(f"[yellow]skipping evaluation split {split}: {err}")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _eval_record(stage: str, results: dict[str, EvalResult], env_steps: int, round_index: int) -> dict[str, Any]:
+    record: dict[str, Any] = {"kind": "eval", "stage": stage, "round": round_index, "env_steps": env_steps}
+    for split, res in results.items():
+        record.update(res.as_dict(prefix=f"{split}/"))
+    return record
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = None) -> Path:
+    console = console or Console(stderr=True)
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+
+    # 1. Run folder ------------------------------------------------------------------------------------------------
+    run = Run(cfg.run_dir(), console)
+    state = run.state() if resume else {}
+    if resume and not state:
+        raise FileNotFoundError(f"nothing to resume in {run.root}: no {STATE_FILE} (start it without --resume)")
+    if not resume and run.state():
+        raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
+    (run.root / "config.yaml").write_text(dump_config(cfg))
+    cameras = ("agentview", "wrist")
+
+    # 2. Demonstrations ------------------------------------------------------------------------------------------------
+    demo_dir = run.root / "demos"
+    if cfg.dataset:
+        demos = read_episodes(cfg.dataset)
+        console.print(f"loaded {len(demos)} episodes from {cfg.dataset}")
+    elif (demo_dir / "meta" / "info.json").exists():
+        demos = read_episodes(demo_dir)
+    else:
+        with progress_bar(console) as bar:
+            job = bar.add_task("demonstrations", total=cfg.demos.episodes, status="")
+            demos = collect_demos(
+                cfg.task, cfg.demos.episodes, seeds=range(cfg.seed * 10_000, cfg.seed * 10_000 + cfg.demos.episodes),
+                expert=ExpertConfig(noise=cfg.demos.noise, hesitation=cfg.demos.hesitation, wrong_grasp=cfg.demos.wrong_grasp),
+                num_envs=cfg.num_envs, num_workers=cfg.workers, image_size=cfg.policy.image_size,
+                config=cfg.task_config or None, on_episode=lambda ep: bar.update(job, advance=1),
+            )  # fmt: skip
+        write_episodes(demo_dir, demos)
+    demo_buffer = StepBuffer.from_episodes(demos, cameras)
+    run.log({"kind": "demos", "episodes": len(demos), "steps": len(demo_buffer), "success": float(np.mean([e.outcome for e in demos]))})
+
+    # 3. Policy and SFT ------------------------------------------------------------------------------------------------
+    aux_dim = demo_buffer.aux.shape[1] if (demo_buffer.aux is not None and cfg.sft.aux_weight > 0) else 0
+    vla_config = VLAConfig(
+        backbone=cfg.policy.backbone, cameras=cameras, image_size=cfg.policy.image_size, chunk_size=cfg.policy.chunk_size,
+        n_action_steps=cfg.policy.n_action_steps, num_flow_steps=cfg.policy.num_flow_steps, aux_dim=aux_dim,
+        extra={"tasks": [cfg.task]},
+    )  # fmt: skip
+    policy = VLAPolicy(vla_config)
+    policy.set_normalization(demo_buffer.stats())
+    critics = CriticState(vla_config.hidden_dim)
+    env_steps, actor_step, start_round = 0, 0, 1
+    latest = state.get("latest_checkpoint")
+
+    if latest:
+        policy = VLAPolicy.from_pretrained(str(run.root / latest))
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=cfg.sft.weight_decay)
+        load_trainer(run.root / latest, optimizer, critics)
+        env_steps, actor_step, start_round = state["env_steps"], state["actor_step"], state["round"] + 1
+        console.print(f"resumed {run.root} after {latest} (round {state['round']})")
+    else:
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(cfg.sft.steps, 1), eta_min=cfg.rl.lr)
+        with progress_bar(console) as bar:
+            job = bar.add_task("SFT", total=cfg.sft.steps, status="")
+
+            def sft_step() -> None:
+                schedule.step()
+                bar.update(job, advance=1)
+
+            stats = actor_updates(
+                policy, optimizer, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, demos=demo_buffer, replay=None,
+                replay_weights=None, demo_fraction=1.0, aux_weight=cfg.sft.aux_weight if aux_dim else 0.0, rng=rng,
+                on_step=sft_step,
+            )  # fmt: skip
+        run.log({"kind": "sft", "steps": cfg.sft.steps, **stats})
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.rl.lr
+        with console.status("evaluating the SFT baseline"):
+            results = evaluate_all(policy, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout)
+        run.log(_eval_record("sft", results, env_steps, 0))
+        _print_eval(console, "SFT", results)
+        record_videos(policy, cfg, run.root / "videos", "before")
+        state = {"round": 0, "env_steps": 0, "actor_step": 0, "latest_checkpoint": "checkpoints/sft"}
+        save_checkpoint(run, "sft", policy, optimizer, critics, state)
+        run.save_state(state)
+
+    # 4. RL rounds -----------------------------------------------------------------------------------------------------
+    method = cfg.rl.method
+    rounds = 0 if method == "none" else cfg.rl.rounds
+    replay: list[list[Episode]] = [
+        read_episodes(run.root / "rollouts" / f"round-{r:03d}")
+        for r in range(max(1, start_round - cfg.rl.replay_rounds), start_round)
+        if (run.root / "rollouts" / f"round-{r:03d}" / "meta" / "info.json").exists()
+    ]
+    habc_config = HABCConfig(
+        gate=cfg.rl.habc.gate, warmup_steps=cfg.rl.habc.warmup_rounds * cfg.rl.updates_per_round,
+        intervention_credit=cfg.rl.habc.intervention_credit, intervention_reweighting=cfg.rl.habc.intervention_reweighting,
+    )  # fmt: skip
+    try:
+        with progress_bar(console) as bar:
+            job = bar.add_task(f"RL ({method})", total=rounds * cfg.rl.updates_per_round, completed=(start_round - 1) * cfg.rl.updates_per_round, status="")
+            for r in range(start_round, rounds + 1):
+                record: dict[str, Any] = {"kind": "round", "round": r, "method": method}
+                # 4a. Roll out the current policy (the continued-SFT control trains on demos only).
+                replay_buffer, weights = None, None
+                if method != "sft_continued":
+                    bar.update(job, status=f"round {r}: rollouts")
+                    seeds = range(ROLLOUT_SEED_OFFSET + r * 1000, ROLLOUT_SEED_OFFSET + r * 1000 + cfg.rl.episodes_per_round)
+                    new = rollouts(policy, cfg, seeds, r)
+                    write_episodes(run.root / "rollouts" / f"round-{r:03d}", new)
+                    env_steps += sum(len(ep) for ep in new)
+                    rollout_stats = summarize(new)
+                    record.update({"rollout/success": rollout_stats.success, "rollout/takeover_rate": rollout_stats.takeover_rate, "env_steps": env_steps})
+                    replay = (replay + [new])[-cfg.rl.replay_rounds :]
+                    episodes = [ep for round_eps in replay for ep in round_eps]
+                    replay_buffer = StepBuffer.from_episodes(episodes, cameras)
+                    features = split_per_episode(policy_features(policy, replay_buffer), replay_buffer)
+                    # 4b. RLER: calibration of the success model on fresh rollouts, then refit.
+                    if cfg.rl.success_model:
+                        new_feats = features[-len(new) :]
+                        record.update(refit_success_model(critics, new, new_feats))
+                    # 4c-d. Critics and per-step credit.
+                    bar.update(job, status=f"round {r}: critics")
+                    if method == "habc":
+                        per_step, diag = habc_step_weights(
+                            critics, episodes, features, config=habc_config, critic_steps=cfg.rl.habc.critic_steps, actor_step=actor_step
+                        )  # fmt: skip
+                    elif method == "awr":
+                        per_step, diag = awr_step_weights(
+                            critics, episodes, features, temperature=cfg.rl.awr_temperature, critic_steps=cfg.rl.habc.critic_steps
+                        )  # fmt: skip
+                    else:
+                        raise ValueError(f"rl.method {method!r} has no credit rule")
+                    weights = np.concatenate(per_step)
+                    record.update(diag)
+                    record["weights/nonzero_share"] = float((weights > 0).mean())
+                # 4e. Actor: weighted flow matching on replay + demos.
+                bar.update(job, status=f"round {r}: actor")
+                stats = actor_updates(
+                    policy, optimizer, steps=cfg.rl.updates_per_round, batch_size=cfg.rl.batch_size, demos=demo_buffer,
+                    replay=replay_buffer, replay_weights=weights, demo_fraction=cfg.rl.demo_fraction, aux_weight=0.0,
+                    rng=rng, on_step=lambda: bar.update(job, advance=1),
+                )  # fmt: skip
+                actor_step += cfg.rl.updates_per_round
+                record.update(stats)
+                run.log(record)
+                # 4f. Evaluate and checkpoint.
+                bar.update(job, status=f"round {r}: evaluating")
+                results = evaluate_all(policy, cfg, cfg.eval.round_episodes, heldout=False)
+                run.log(_eval_record("round", results, env_steps, r))
+                bar.update(job, status=f"round {r}: success {results['train'].success:.0%}")
+                state = {"round": r, "env_steps": env_steps, "actor_step": actor_step, "latest_checkpoint": f"checkpoints/round-{r:03d}"}
+                save_checkpoint(run, f"round-{r:03d}", policy, optimizer, critics, state)
+                run.save_state(state)
+    except KeyboardInterrupt:
+        path = save_checkpoint(run, "interrupted", policy, optimizer, critics, state)
+        console.print(f"[yellow]interrupted: the policy so far is in {path}; continue with `kinema train --resume {run.root}`")
+        raise
+
+    # 5. Final evaluation and report ------------------------------------------------------------------------------------
+    if rounds and not state.get("final_done"):
+        with console.status("final evaluation"):
+            results = evaluate_all(policy, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout)
+        run.log(_eval_record("final", results, env_steps, rounds))
+        _print_eval(console, f"after RL ({method})", results)
+        record_videos(policy, cfg, run.root / "videos", "after")
+        policy.save_pretrained(str(run.root / "checkpoints" / "final"))
+        state["final_done"] = True
+        run.save_state(state)
+    write_curves(run.records(), run.root / "curves.png")
+    write_report(cfg, run.records(), run.root)
+    console.print(f"report: {run.root / 'report.md'}")
+    return run.root
+
+
+def _print_eval(console: Console, label: str, results: dict[str, EvalResult]) -> None:
+    parts = [f"{split}: {res.success:.0%} ± {res.success_se:.0%} ({res.episodes} episodes)" for split, res in results.items()]
+    console.print(f"[bold]{label}[/bold] success — " + "; ".join(parts))

@@ -1,0 +1,65 @@
+"""Policy checkpoints: a folder with `config.json` and `model.safetensors` (normalisation stats are buffers inside).
+
+Writes are atomic at the folder level: everything goes to a temporary sibling folder, which then replaces the
+target by rename, so a crash mid-save leaves the previous checkpoint (or nothing), never a half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    config: Mapping[str, Any],
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    extra_files: Mapping[str, bytes] | None = None,
+) -> Path:
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.mkdir()
+    try:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, default=list))
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+        for path in tmp.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        old = None
+        if target.exists():
+            old = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.old"
+            os.replace(target, old)
+        os.replace(tmp, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint folder at {path}")
+    missing = [n for n in (CONFIG_NAME, WEIGHTS_NAME) if not (path / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path} is not a kinema checkpoint: missing {', '.join(missing)}")
+    config = json.loads((path / CONFIG_NAME).read_text())
+    return config, load_file(str(path / WEIGHTS_NAME), device=map_location)

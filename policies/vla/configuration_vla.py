@@ -1,0 +1,87 @@
+"""Configuration of kinema's VLA: a vision-language-action policy with a flow-matching action expert."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class VLAConfig:
+    """Architecture of the VLA. The defaults are the CPU-sized `tiny` model (about 3M parameters).
+
+    Every field is stored in the checkpoint's `config.json`; loading a checkpoint into a different architecture
+    fails with the mismatching field named.
+    """
+
+    backbone: str = "tiny"  # "tiny" (trained from scratch) or a local SmolVLM/Idefics3 checkpoint directory
+    cameras: tuple[str, ...] = ("agentview", "wrist")  # observation.images.<camera> inputs, one encoder each
+    image_size: int = 64  # images are resized to image_size x image_size before encoding
+    state_dim: int = 8  # observation.state size (EE position, quaternion, gripper)
+    action_dim: int = 7
+    chunk_size: int = 8  # H: actions denoised per chunk
+    n_action_steps: int = 4  # actions executed from each chunk before replanning
+    num_flow_steps: int = 10  # K: Euler steps integrating the velocity field at inference
+    time_distribution: str = "beta"  # flow time sampling in training: "beta" (pi0), "uniform", "logit_normal"
+    vision_channels: tuple[int, ...] = (32, 64, 64)  # conv widths; the first conv is a stride-4 patchify
+    vision_dim: int = 256  # per-camera feature size
+    text_dim: int = 64  # width of the word encoder
+    text_layers: int = 1  # transformer layers over words
+    max_words: int = 16
+    ngram_buckets: int = 4096  # hashed character-trigram vocabulary: unseen words still share subwords
+    state_hidden: int = 64
+    hidden_dim: int = 256  # fused observation feature (the `features()` the critics read)
+    expert_hidden: int = 512  # action expert width
+    expert_layers: int = 3
+    aux_dim: int = 0  # size of the privileged auxiliary target (object positions), 0 disables the aux head
+    aux_weight: float = 1.0  # weight of the auxiliary loss against the flow loss in SFT
+    augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables
+    lora_rank: int = 8  # LoRA rank when the backbone is a pretrained VLM
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (task names seen, dataset), not architecture
+
+    def __post_init__(self) -> None:
+        self.cameras = tuple(self.cameras)
+        self.vision_channels = tuple(self.vision_channels)
+        if self.n_action_steps < 1 or self.n_action_steps > self.chunk_size:
+            raise ValueError(
+                f"VLAConfig.n_action_steps must be in [1, chunk_size={self.chunk_size}]; got {self.n_action_steps}"
+            )
+        if self.image_size % 8 != 0 or self.image_size < 32:
+            raise ValueError(f"VLAConfig.image_size must be a multiple of 8 and >= 32; got {self.image_size}")
+        if self.time_distribution not in ("beta", "uniform", "logit_normal"):
+            raise ValueError(
+                f"VLAConfig.time_distribution must be 'beta', 'uniform' or 'logit_normal'; got {self.time_distribution!r}"
+            )
+        if not self.cameras:
+            raise ValueError("VLAConfig.cameras must name at least one camera")
+        if self.num_flow_steps < 1:
+            raise ValueError(f"VLAConfig.num_flow_steps must be >= 1; got {self.num_flow_steps}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, "policy_type": "vla", **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VLAConfig:
+        data = dict(data)
+        version = data.pop("format_version", None)
+        kind = data.pop("policy_type", None)
+        if kind != "vla":
+            raise ValueError(f"config.json describes a {kind!r} policy, not a kinema VLA")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"checkpoint format_version {version} is not supported (this kinema reads {FORMAT_VERSION}); "
+                "re-export it with the kinema version that wrote it"
+            )
+        valid = {f.name for f in fields(cls)}
+        unknown = set(data) - valid
+        if unknown:
+            raise ValueError(f"config.json has unknown VLA fields {sorted(unknown)}; valid: {sorted(valid)}")
+        return cls(**data)
+
+    ARCHITECTURE_FIELDS = (
+        "backbone", "cameras", "image_size", "state_dim", "action_dim", "chunk_size", "vision_channels", "vision_dim",
+        "text_dim", "text_layers", "max_words", "ngram_buckets", "state_hidden", "hidden_dim", "expert_hidden",
+        "expert_layers", "aux_dim", "lora_rank",
+    )  # fmt: skip

@@ -1,0 +1,324 @@
+"""kinema's VLA: per-camera conv encoders conditioned on the instruction (FiLM), a word encoder, the state, and a
+flow-matching action expert that denoises action chunks. Implements the RL core's `FlowPolicy` protocol.
+
+Why this shape (DESIGN.md, "What a tiny image VLA does on this CPU"): a naive tiny policy never learns *where*
+the objects are. Two things fix that here: the instruction modulates every conv stage (FiLM), so "the red cube"
+changes what the encoder extracts, and an auxiliary head regresses privileged object positions during SFT.
+
+Batch convention (all tensors on the model's device):
+    observation.images.<camera>: uint8 (B, H, W, 3) or float (B, 3, H, W) in [0, 1]
+    observation.state:           (B, state_dim)
+    task:                        list[str] of length B
+    action:                      (B, chunk_size, action_dim) in [-1, 1]     (training only)
+    action_is_pad:               bool (B, chunk_size), True past the episode end  (optional)
+    aux_target:                  (B, aux_dim) privileged targets, already normalised (optional)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from diffusion_rl.flow import (
+    SDEStep,
+    euler_sample,
+    flow_matching_loss,
+    interpolate,
+    sample_time,
+    sde_step_with_logprob,
+    time_schedule,
+    velocity_target,
+)
+from policies.vla.configuration_vla import VLAConfig
+from policies.vla.text import HashTokenizer, TextEncoder
+
+
+class FiLMConvEncoder(nn.Module):
+    """One camera: a stride-4 patchify conv, then convs, each modulated by the instruction (FiLM)."""
+
+    def __init__(self, config: VLAConfig) -> None:
+        super().__init__()
+        chans = config.vision_channels
+        layers, films = [], []
+        in_ch = 5  # RGB + two coordinate channels: positions stay explicit after pooling-free flattening
+        for i, out_ch in enumerate(chans):
+            kernel, stride = (4, 4) if i == 0 else (3, 2 if i == 1 else 1)
+            layers.append(nn.Conv2d(in_ch, out_ch, kernel, stride, padding=0 if i == 0 else 1))
+            films.append(nn.Linear(config.text_dim, 2 * out_ch))
+            in_ch = out_ch
+        self.convs = nn.ModuleList(layers)
+        self.norms = nn.ModuleList(nn.GroupNorm(8, c) for c in chans)
+        self.films = nn.ModuleList(films)
+        for film in self.films:  # start as identity modulation
+            nn.init.zeros_(film.weight)
+            nn.init.zeros_(film.bias)
+        side = config.image_size // 8
+        self.project = nn.Sequential(nn.Flatten(), nn.Linear(chans[-1] * side * side, config.vision_dim), nn.GELU())
+        ys, xs = torch.meshgrid(torch.linspace(-1, 1, config.image_size), torch.linspace(-1, 1, config.image_size), indexing="ij")
+        self.register_buffer("coords", torch.stack([xs, ys])[None], persistent=False)
+
+    def forward(self, image: Tensor, text: Tensor) -> Tensor:
+        x = torch.cat([image * 2 - 1, self.coords.expand(image.shape[0], -1, -1, -1)], dim=1)
+        for conv, norm, film in zip(self.convs, self.norms, self.films):
+            gamma, beta = film(text).chunk(2, dim=-1)
+            x = F.gelu(norm(conv(x)) * (1 + gamma[..., None, None]) + beta[..., None, None])
+        return self.project(x)
+
+
+class SinusoidalTime(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, t: Tensor) -> Tensor:
+        half = self.dim // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=t.dtype) / half)
+        angles = (t[:, None] * 1000.0) * freqs[None]
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class ActionExpert(nn.Module):
+    """v_θ(x_t, t | context): an MLP over the flattened noisy chunk, the time embedding and the observation feature."""
+
+    def __init__(self, config: VLAConfig) -> None:
+        super().__init__()
+        flat = config.chunk_size * config.action_dim
+        self.time = nn.Sequential(SinusoidalTime(64), nn.Linear(64, 128), nn.GELU())
+        self.inp = nn.Linear(flat + 128 + config.hidden_dim, config.expert_hidden)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.LayerNorm(config.expert_hidden),
+                nn.Linear(config.expert_hidden, config.expert_hidden),
+                nn.GELU(),
+                nn.Linear(config.expert_hidden, config.expert_hidden),
+            )
+            for _ in range(config.expert_layers - 1)
+        )
+        self.out = nn.Sequential(nn.LayerNorm(config.expert_hidden), nn.Linear(config.expert_hidden, flat))
+        self.shape = (config.chunk_size, config.action_dim)
+
+    def forward(self, x_t: Tensor, t: Tensor, context: Tensor) -> Tensor:
+        h = self.inp(torch.cat([x_t.flatten(1), self.time(t), context], dim=-1))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h).view(-1, *self.shape)
+
+
+class VLAPolicy(nn.Module):
+    """Vision-language-action policy with a flow-matching action expert (π0/SmolVLA family, CPU-sized).
+
+    Normalisation statistics live in buffers, so they travel inside `model.safetensors` with the weights.
+    """
+
+    def __init__(self, config: VLAConfig) -> None:
+        super().__init__()
+        if config.backbone != "tiny":
+            raise ValueError(
+                f"VLAConfig.backbone {config.backbone!r}: only 'tiny' is built in so far; a local SmolVLM "
+                "checkpoint backbone is planned (see policies/vla/README notes in the issue)"
+            )
+        self.config = config
+        self.tokenizer = HashTokenizer(config.ngram_buckets, config.max_words)
+        self.text = TextEncoder(config.ngram_buckets, config.text_dim, config.text_layers, config.max_words)
+        self.vision = nn.ModuleDict({cam: FiLMConvEncoder(config) for cam in config.cameras})
+        self.state_mlp = nn.Sequential(nn.Linear(config.state_dim, config.state_hidden), nn.GELU())
+        fused = config.vision_dim * len(config.cameras) + config.text_dim + config.state_hidden
+        self.fuse = nn.Sequential(
+            nn.Linear(fused, config.hidden_dim), nn.GELU(), nn.Linear(config.hidden_dim, config.hidden_dim), nn.GELU()
+        )
+        self.expert = ActionExpert(config)
+        self.aux_head = (
+            nn.Sequential(nn.Linear(config.hidden_dim, config.hidden_dim), nn.GELU(), nn.Linear(config.hidden_dim, config.aux_dim))
+            if config.aux_dim
+            else None
+        )
+        self.register_buffer("state_mean", torch.zeros(config.state_dim))
+        self.register_buffer("state_std", torch.ones(config.state_dim))
+        self.register_buffer("aux_mean", torch.zeros(max(config.aux_dim, 1)))
+        self.register_buffer("aux_std", torch.ones(max(config.aux_dim, 1)))
+        self._queue: deque[np.ndarray] = deque()
+
+    # ----- normalisation ----------------------------------------------------------------------------------------
+    def set_normalization(self, stats: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        """Take mean/std of `observation.state` (and `aux`) from dataset stats (`load_stats` or computed)."""
+        state = stats["observation.state"]
+        self.state_mean.copy_(torch.as_tensor(np.asarray(state["mean"]).reshape(-1), dtype=torch.float32))
+        self.state_std.copy_(torch.as_tensor(np.asarray(state["std"]).reshape(-1), dtype=torch.float32).clamp(min=1e-3))
+        if self.config.aux_dim and "aux" in stats:
+            self.aux_mean.copy_(torch.as_tensor(np.asarray(stats["aux"]["mean"]).reshape(-1), dtype=torch.float32))
+            self.aux_std.copy_(torch.as_tensor(np.asarray(stats["aux"]["std"]).reshape(-1), dtype=torch.float32).clamp(min=1e-3))
+
+    # ----- encoders ----------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.state_mean.device
+
+    def _image(self, batch: Mapping[str, Any], cam: str) -> Tensor:
+        key = f"observation.images.{cam}"
+        if key not in batch:
+            raise KeyError(f"batch lacks {key!r}; this policy reads cameras {list(self.config.cameras)}")
+        img = torch.as_tensor(batch[key], device=self.device)
+        if img.dtype == torch.uint8:
+            img = img.permute(0, 3, 1, 2).float() / 255.0 if img.shape[-1] == 3 else img.float() / 255.0
+        size = self.config.image_size
+        if img.shape[-1] != size or img.shape[-2] != size:
+            img = F.interpolate(img, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+        if self.training and self.config.augment_shift:
+            img = random_shift(img, self.config.augment_shift)
+        return img
+
+    def features(self, batch: Mapping[str, Any]) -> Tensor:
+        """The fused observation feature (B, hidden_dim): what the action expert, the critics and the success model read."""
+        ids, mask = self.tokenizer(list(batch["task"]), self.device)
+        _, text = self.text(ids, mask)
+        state = (torch.as_tensor(batch["observation.state"], device=self.device, dtype=torch.float32) - self.state_mean) / self.state_std
+        parts = [self.vision[cam](self._image(batch, cam), text) for cam in self.config.cameras]
+        return self.fuse(torch.cat([*parts, text, self.state_mlp(state)], dim=-1))
+
+    # ----- training ------------------------------------------------------------------------------------------------
+    def flow_loss(
+        self,
+        batch: Mapping[str, Any],
+        *,
+        weights: Tensor | None = None,
+        targets: Mapping[str, Tensor] | None = None,
+        context: Tensor | None = None,
+    ) -> Tensor:
+        """Per-sample conditional flow-matching loss (B,) on the action chunk (padded steps masked)."""
+        actions = torch.as_tensor(batch["action"], device=self.device, dtype=torch.float32)
+        B = actions.shape[0]
+        context = self.features(batch) if context is None else context
+        t = batch.get("t")
+        t = sample_time(B, distribution=self.config.time_distribution, device=self.device) if t is None else t
+        noise = batch.get("noise")
+        noise = torch.randn_like(actions) if noise is None else noise
+        x_t = interpolate(actions, noise, t)
+        v = self.expert(x_t, t, context)
+        target = velocity_target(actions, noise)
+        if targets is not None and "velocity" in targets:
+            target = targets["velocity"]
+        elif targets is not None and "x0" in targets:
+            target = velocity_target(targets["x0"], noise)
+        pad = batch.get("action_is_pad")
+        mask = None if pad is None else ~torch.as_tensor(pad, device=self.device)
+        return flow_matching_loss(v, target, weights=weights, mask=mask)
+
+    def aux_loss(self, batch: Mapping[str, Any], context: Tensor) -> Tensor:
+        """Per-sample MSE (B,) of the privileged-position head, on normalised targets."""
+        if self.aux_head is None or "aux_target" not in batch:
+            return torch.zeros(context.shape[0], device=self.device)
+        target = (torch.as_tensor(batch["aux_target"], device=self.device) - self.aux_mean) / self.aux_std
+        return (self.aux_head(context) - target).pow(2).mean(-1)
+
+    # ----- inference -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def predict_action_chunk(self, batch: Mapping[str, Any], *, noise: Tensor | None = None) -> Tensor:
+        """Denoise a chunk (B, chunk_size, action_dim) with K Euler steps from t = 1 (noise) to 0."""
+        context = self.features(batch)
+        B = context.shape[0]
+        noise = torch.randn(B, self.config.chunk_size, self.config.action_dim, device=self.device) if noise is None else noise
+        chunk = euler_sample(lambda x, t: self.expert(x, t, context), noise, num_steps=self.config.num_flow_steps)
+        return chunk.clamp(-1.0, 1.0)
+
+    def sample_chunk_sde(
+        self, batch: Mapping[str, Any], *, noise_level: float = 0.7
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Sample a chunk with Flow-SDE steps, recording every step for PPO/GRPO (the πRL baseline).
+
+        Returns the chunk and {"x_t": (B, K, H, A), "t": (K,), "t_next": (K,), "x_next": (B, K, H, A),
+        "log_prob": (B, K)}.
+        """
+        with torch.no_grad():
+            context = self.features(batch)
+            B = context.shape[0]
+            x = torch.randn(B, self.config.chunk_size, self.config.action_dim, device=self.device)
+            sched = time_schedule(self.config.num_flow_steps, device=self.device)
+            xs, nexts, logps = [], [], []
+            for i in range(len(sched) - 1):
+                t, t_next = sched[i].expand(B), sched[i + 1].expand(B)
+                if i == len(sched) - 2:  # the last step is deterministic (σ→0 at t=0): keep it Euler, no log-prob
+                    x_new = x + (sched[i + 1] - sched[i]) * self.expert(x, t, context)
+                    step_lp = torch.zeros(B, device=self.device)
+                else:
+                    step = sde_step_with_logprob(self.expert(x, t, context), x, t, t_next, noise_level=noise_level)
+                    x_new, step_lp = step.sample, step.log_prob
+                xs.append(x)
+                nexts.append(x_new)
+                logps.append(step_lp)
+                x = x_new
+        record = {
+            "x_t": torch.stack(xs, 1),
+            "t": sched[:-1],
+            "t_next": sched[1:],
+            "x_next": torch.stack(nexts, 1),
+            "log_prob": torch.stack(logps, 1),
+        }
+        return x.clamp(-1.0, 1.0), record
+
+    def sde_log_prob(self, batch: Mapping[str, Any], *, noise_level: float = 0.7, context: Tensor | None = None) -> SDEStep:
+        """Log-prob (B,) of the recorded step x_t -> x_next at times (t, t_next) under the current model."""
+        context = self.features(batch) if context is None else context
+        v = self.expert(batch["x_t"], batch["t"], context)
+        return sde_step_with_logprob(v, batch["x_t"], batch["t"], batch["t_next"], noise_level=noise_level, prev_sample=batch["x_next"])
+
+    def reset(self) -> None:
+        self._queue.clear()
+
+    @torch.no_grad()
+    def select_action(self, observation: Mapping[str, Any]) -> np.ndarray:
+        """One env's next action (7,), replanning a chunk every `n_action_steps` steps."""
+        if not self._queue:
+            batch = {k: (v[None] if isinstance(v, np.ndarray) else [v]) for k, v in observation.items()}
+            was_training = self.training
+            self.eval()
+            chunk = self.predict_action_chunk(batch)[0].cpu().numpy()
+            self.train(was_training)
+            self._queue.extend(chunk[: self.config.n_action_steps])
+        return self._queue.popleft()
+
+    # ----- persistence -----------------------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str, *, extra_files: Mapping[str, bytes] | None = None) -> None:
+        from policies.checkpoint import save_checkpoint
+
+        save_checkpoint(directory, self.config.to_dict(), self.state_dict(), extra_files=extra_files)
+
+    @classmethod
+    def from_pretrained(cls, directory: str, *, map_location: str = "cpu") -> VLAPolicy:
+        from policies.checkpoint import load_checkpoint
+
+        config_dict, state = load_checkpoint(directory, map_location=map_location)
+        config = VLAConfig.from_dict(config_dict)
+        model = cls(config)
+        model.load_state_dict_checked(state, source=directory)
+        return model
+
+    def load_state_dict_checked(self, state: Mapping[str, Tensor], *, source: str) -> None:
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        wrong = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in own if k in state and state[k].shape != own[k].shape]
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"checkpoint {source} does not match this VLA architecture: "
+                + "; ".join(filter(None, [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "", "; ".join(wrong[:5])]))
+            )
+        self.load_state_dict(state)
+
+
+def random_shift(images: Tensor, pad: int) -> Tensor:
+    """DrQ-style augmentation: pad by replicating edges, crop back at a random offset per sample."""
+    B, C, H, W = images.shape
+    padded = F.pad(images, (pad, pad, pad, pad), mode="replicate")
+    dx = torch.randint(0, 2 * pad + 1, (B,), device=images.device)
+    dy = torch.randint(0, 2 * pad + 1, (B,), device=images.device)
+    rows = (dy[:, None] + torch.arange(H, device=images.device)[None])  # (B, H)
+    cols = (dx[:, None] + torch.arange(W, device=images.device)[None])  # (B, W)
+    idx_b = torch.arange(B, device=images.device)[:, None, None]
+    return padded.permute(0, 2, 3, 1)[idx_b, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)

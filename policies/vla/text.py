@@ -1,0 +1,69 @@
+"""Instruction encoding for the tiny VLA: words as bags of hashed character trigrams, then a small transformer.
+
+Every word maps to the hashed ids of its trigrams (with boundary marks) plus one id for the whole word, so
+a word never seen in training ("dish", "transfer") still shares subwords with known ones, and nothing needs a
+vocabulary file or a download. Hashing uses CRC32, which is stable across processes (Python's `hash` is not).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import torch
+from torch import Tensor, nn
+
+MAX_NGRAMS_PER_WORD = 12
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def word_ngrams(word: str, buckets: int) -> list[int]:
+    """Ids (1..buckets-1; 0 is padding) of a word's character trigrams and of the word itself."""
+    marked = f"<{word}>"
+    grams = [marked] + [marked[i : i + 3] for i in range(len(marked) - 2)]
+    ids = [1 + zlib.crc32(g.encode()) % (buckets - 1) for g in grams]
+    return ids[:MAX_NGRAMS_PER_WORD]
+
+
+class HashTokenizer:
+    """Instructions to (ids (B, W, G), word mask (B, W)); lower-cased, punctuation dropped."""
+
+    def __init__(self, buckets: int, max_words: int) -> None:
+        self.buckets, self.max_words = buckets, max_words
+        self._cache: dict[str, list[list[int]]] = {}
+
+    def words(self, text: str) -> list[list[int]]:
+        if text not in self._cache:
+            words = _WORD.findall(text.lower())[: self.max_words] or [""]
+            self._cache[text] = [word_ngrams(w, self.buckets) for w in words]
+        return self._cache[text]
+
+    def __call__(self, texts: list[str], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+        ids = torch.zeros(len(texts), self.max_words, MAX_NGRAMS_PER_WORD, dtype=torch.long)
+        for b, text in enumerate(texts):
+            for w, grams in enumerate(self.words(text)):
+                ids[b, w, : len(grams)] = torch.tensor(grams)
+        mask = ids[:, :, 0] > 0
+        return ids.to(device), mask.to(device)
+
+
+class TextEncoder(nn.Module):
+    """(ids, mask) -> per-word features (B, W, D) and a pooled instruction feature (B, D)."""
+
+    def __init__(self, buckets: int, dim: int, layers: int, max_words: int) -> None:
+        super().__init__()
+        self.embed = nn.EmbeddingBag(buckets, dim, mode="mean", padding_idx=0)
+        self.position = nn.Parameter(torch.zeros(max_words, dim))
+        nn.init.normal_(self.position, std=0.02)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=2 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False) if layers else None
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        B, W, G = ids.shape
+        words = self.embed(ids.reshape(B * W, G)).reshape(B, W, -1) + self.position[:W]
+        if self.encoder is not None:
+            words = self.encoder(words, src_key_padding_mask=~mask)
+        words = self.norm(words) * mask[..., None]
+        pooled = words.sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        return words, pooled
