@@ -77,8 +77,8 @@ def render_rate(task: str, size: int, frames: int) -> float:
     return rate
 
 
-def vector_rate(task: str, num_envs: int, workers: int, steps: int, size: int) -> float:
-    vector = make_vector(task, num_envs, num_workers=workers, image_size=size)
+def vector_rate(task: str, num_envs: int, workers: int, steps: int, size: int, cameras: tuple[str, ...]) -> float:
+    vector = make_vector(task, num_envs, num_workers=workers, image_size=size, cameras=cameras)
     rng = np.random.default_rng(0)
     try:
         for i in range(num_envs):
@@ -117,7 +117,9 @@ def main() -> None:
         frames = max(frames, render_rate(args.task, args.size, 2 * steps))
     combined_limit = 1.0 / (1.0 / physics + 2.0 / frames)
     num_envs = args.workers * args.envs_per_worker
-    vec = vector_rate(args.task, num_envs, args.workers, max(steps // num_envs, 40) * 2, args.size)
+    vec_steps = max(steps // num_envs, 40) * 2
+    vec = vector_rate(args.task, num_envs, args.workers, vec_steps, args.size, cams)
+    vec_state = vector_rate(args.task, num_envs, args.workers, vec_steps, args.size, ())
 
     result = {
         "benchmark": "sim_throughput",
@@ -128,6 +130,10 @@ def main() -> None:
         "state_steps_per_s": round(state_rate, 1),
         "camera_steps_per_s": round(camera_rate, 1),
         "vector_camera_steps_per_s": round(vec, 1),
+        "vector_state_steps_per_s": round(vec_state, 1),
+        # Reference for the vector rates: perfect scaling of the single-env rates over the workers.
+        "vector_camera_scaling": round(vec / (args.workers * camera_rate), 3),
+        "vector_state_scaling": round(vec_state / (args.workers * state_rate), 3),
         "vector_workers": args.workers,
         "vector_envs": num_envs,
         "physics_limit_steps_per_s": round(physics, 1),

@@ -16,7 +16,8 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
     collect = sim_sub.add_parser("collect", help="scripted-expert episodes to a LeRobotDataset v3 folder")
     collect.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
     collect.add_argument("--episodes", type=int, required=True, help="number of episodes")
-    collect.add_argument("--out", required=True, help="dataset folder (new, or an existing kinema dataset to extend)")
+    collect.add_argument("--out", required=True, help="dataset folder: new, or an existing kinema dataset to extend")
+    collect.add_argument("--overwrite", action="store_true", help="replace an existing kinema dataset instead of extending it")
     collect.add_argument("--expert-noise", type=float, default=0.0, help="std of Gaussian action noise (0 = clean)")
     collect.add_argument("--hesitation", type=float, default=0.0, help="per-step probability of a pause")
     collect.add_argument("--wrong-grasp", type=float, default=0.0, help="per-episode probability of a mis-aimed grasp")
@@ -25,7 +26,10 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="an imperfect autopilot acts, and a simulated human takes over before it fails",
     )
-    collect.add_argument("--seed", type=int, default=0, help="seed of the first episode (then +1 per episode)")
+    collect.add_argument(
+        "--seed", type=int, default=None,
+        help="seed of the first episode, then +1 per episode (default: 0, or after the last seed of the dataset extended)",
+    )
     collect.add_argument("--image-size", type=int, default=96, help="camera height and width in pixels")
     collect.add_argument("--instructions", choices=("train", "heldout"), default="train")
     collect.add_argument("--objects", choices=("train", "heldout"), default="train")

@@ -11,14 +11,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from diffusion_rl.data import Episode, ExecutedBy
-from diffusion_rl.data.lerobot_v3 import LeRobotDatasetWriter
+from diffusion_rl.data.lerobot_v3 import LeRobotDatasetReader, LeRobotDatasetWriter
 from kinema.media import write_mp4
 from sim.env import CONTROL_HZ
 from sim.experts import ExpertConfig
 from sim.monitor import MonitorConfig
 from sim.rollout import collect as collect_episodes
 from sim.rollout import make_vector, zero_policy
-from sim.tasks import TASKS, make, task_class
+from sim.tasks import TASKS, VARIANTS, make, task_class
 
 
 def progress_bar(console: Console | None = None) -> Progress:
@@ -44,6 +44,7 @@ def list_tasks(args: argparse.Namespace) -> int:
         cfg = cls.default_config()
         table.add_row(name, str(cfg.horizon), "\n".join(cls.instructions.train), "\n".join(cls.instructions.heldout))
     console.print(table)
+    console.print("Harder variants: " + ", ".join(f"{v} ({base} with {cfg})" for v, (base, cfg) in VARIANTS.items()))
     return 0
 
 
@@ -60,11 +61,27 @@ def _autopilot(expert: ExpertConfig) -> ExpertConfig:
     )
 
 
+def _next_seed(root: str, *, overwrite: bool) -> int:
+    """Extending a dataset continues its seeds, so a re-run adds new episodes rather than copies."""
+    if overwrite or not (Path(root) / "meta" / "info.json").is_file():
+        return 0
+    seeds = [row.get("seed") for row in LeRobotDatasetReader(root).meta.episodes]
+    seeds = [s for s in seeds if s is not None]
+    return max(seeds) + 1 if seeds else 0
+
+
 def collect(args: argparse.Namespace) -> int:
     task_class(args.task)  # fail fast, listing valid tasks
     if args.episodes < 1:
         raise ValueError(f"--episodes must be at least 1; got {args.episodes}")
-    expert = _expert_config(args)
+    if args.image_size < 16 or args.image_size % 2:
+        raise ValueError(f"--image-size must be an even number >= 16 (H.264 video needs even sizes); got {args.image_size}")
+    if args.workers < 0 or args.num_envs < 1:
+        raise ValueError(f"--workers must be >= 0 and --num-envs >= 1; got {args.workers} and {args.num_envs}")
+    try:
+        expert = _expert_config(args)
+    except ValueError as err:
+        raise ValueError(f"{err} (from --expert-noise/--hesitation/--wrong-grasp)") from None
     env_kwargs = dict(image_size=args.image_size, instructions=args.instructions, objects=args.objects)
     if args.interventions:
         vector_kwargs = dict(actor="monitored", monitor=MonitorConfig(), autopilot=_autopilot(expert))
@@ -74,9 +91,12 @@ def collect(args: argparse.Namespace) -> int:
         version = "expert"
     num_envs = max(1, min(args.num_envs, args.episodes))
     console = Console(stderr=True)
+    first_seed = args.seed if args.seed is not None else _next_seed(args.out, overwrite=args.overwrite)
     preview: list[np.ndarray] = []
     stats = {"success": 0, "takeovers": 0, "done": 0}
-    with LeRobotDatasetWriter(args.out, fps=CONTROL_HZ) as writer, progress_bar(console) as bar:
+    # An existing kinema dataset is extended (so re-running a command adds episodes); --overwrite replaces it.
+    mode = "w" if args.overwrite else "a"
+    with LeRobotDatasetWriter(args.out, fps=CONTROL_HZ, mode=mode, overwrite=args.overwrite) as writer, progress_bar(console) as bar:
         job = bar.add_task(f"collect {args.task}", total=args.episodes, status="")
 
         def on_episode(ep: Episode) -> None:
@@ -93,7 +113,7 @@ def collect(args: argparse.Namespace) -> int:
 
         vector = make_vector(args.task, num_envs, num_workers=min(args.workers, num_envs), **vector_kwargs, **env_kwargs)
         try:
-            seeds = range(args.seed, args.seed + args.episodes)
+            seeds = range(first_seed, first_seed + args.episodes)
             collect_episodes(vector, zero_policy, seeds, task_id=args.task, policy_version=version, on_episode=on_episode)
         finally:
             vector.close()
@@ -111,6 +131,8 @@ def render(args: argparse.Namespace) -> int:
 
     if not str(args.out).endswith(".mp4"):
         raise ValueError(f"--out must be an .mp4 file; got {args.out}")
+    if args.episodes < 1:
+        raise ValueError(f"--episodes must be at least 1; got {args.episodes}")
     env = make(args.task, image_size=120, cameras=("agentview", "wrist") if args.cameras else ())
     expert = ExpertConfig(noise=args.expert_noise)
     wrapped = SimulatedHuman(env, MonitorConfig(), autopilot=_autopilot(expert)) if args.interventions else DemoWrapper(env, expert)

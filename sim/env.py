@@ -20,7 +20,7 @@ import gymnasium as gym
 import mujoco
 import numpy as np
 
-from sim.arm import ArmController, arm_actuators_xml, arm_xml
+from sim.arm import FINGER_OPEN, ArmController, arm_actuators_xml, arm_xml
 
 CONTROL_HZ = 20.0
 PHYSICS_TIMESTEP = 0.002
@@ -60,6 +60,10 @@ class TaskConfig:
             raise ValueError(f"TaskConfig.colors has unknown colours {unknown}; valid: {sorted(COLORS)}")
         if self.horizon <= 0:
             raise ValueError(f"TaskConfig.horizon must be positive; got {self.horizon}")
+        if self.num_distractors < 0:
+            raise ValueError(f"TaskConfig.num_distractors must be >= 0; got {self.num_distractors}")
+        if len(set(self.colors)) < 2:
+            raise ValueError(f"TaskConfig.colors needs at least 2 distinct colours (targets and goals differ); got {self.colors}")
         for name in ("x_range", "y_range"):
             lo, hi = getattr(self, name)
             if not lo <= hi:
@@ -67,6 +71,18 @@ class TaskConfig:
 
     def replace(self, **changes: Any) -> TaskConfig:
         return dataclasses.replace(self, **changes)
+
+
+def validate_action(action: Any, task: str) -> np.ndarray:
+    """Reject malformed actions before anything in the simulation changes; clip the rest to [-1, 1]."""
+    action = np.asarray(action, dtype=np.float64)
+    if action.shape != (7,):
+        raise ValueError(
+            f"{task}: action must have shape (7,) = EE translation (3), rotation (3), gripper (1); got shape {action.shape}"
+        )
+    if not np.isfinite(action).all():
+        raise ValueError(f"{task}: action contains NaN or inf at indices {np.flatnonzero(~np.isfinite(action)).tolist()}")
+    return np.clip(action, -1.0, 1.0)
 
 
 @dataclass
@@ -141,6 +157,7 @@ class TabletopEnv(gym.Env):
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"], "render_fps": int(CONTROL_HZ)}
     name: ClassVar[str] = ""
     instructions: ClassVar[Instructions]
+    max_distractors: ClassVar[int] = 0  # what the task's object pool can hold
 
     def __init__(
         self,
@@ -153,6 +170,11 @@ class TabletopEnv(gym.Env):
         render_mode: str | None = None,
     ) -> None:
         self.config = config if config is not None else self.default_config()
+        if self.config.num_distractors > self.max_distractors:
+            raise ValueError(
+                f"{self.name}: num_distractors={self.config.num_distractors} exceeds the {self.max_distractors} "
+                "this task's object pool holds"
+            )
         if instructions not in ("train", "heldout"):
             raise ValueError(f"instructions must be 'train' or 'heldout'; got {instructions!r}")
         if objects not in ("train", "heldout"):
@@ -227,6 +249,8 @@ class TabletopEnv(gym.Env):
         return self._observation(), self._info(False)
 
     def step(self, action: np.ndarray):
+        if not self.task:
+            raise RuntimeError(f"{self.name}: call reset() before step()")
         action = self.validate_action(action)
         self.arm.apply(self.data, action[:3] * POS_SCALE, action[3:6] * ROT_SCALE, float(action[6]))
         mujoco.mj_step(self.model, self.data, nstep=SUBSTEPS)
@@ -236,16 +260,7 @@ class TabletopEnv(gym.Env):
         return self._observation(), float(success), success, truncated, self._info(success)
 
     def validate_action(self, action: Any) -> np.ndarray:
-        """Reject malformed actions before anything in the simulation changes."""
-        action = np.asarray(action, dtype=np.float64)
-        if action.shape != (7,):
-            raise ValueError(
-                f"{self.name}: action must have shape (7,) = EE translation (3), rotation (3), gripper (1); "
-                f"got shape {action.shape}"
-            )
-        if not np.isfinite(action).all():
-            raise ValueError(f"{self.name}: action contains NaN or inf at indices {np.flatnonzero(~np.isfinite(action)).tolist()}")
-        return np.clip(action, -1.0, 1.0)
+        return validate_action(action, self.name)
 
     def render(self) -> np.ndarray:
         """An overview frame (for videos), independent of the policy's cameras."""
@@ -269,7 +284,7 @@ class TabletopEnv(gym.Env):
         return float(np.arctan2(mat[1, 1], mat[0, 1]))  # direction of the finger axis (hand y) in the table plane
 
     def gripper_opening(self) -> float:
-        return self.arm.gripper_width(self.data) / (2 * 0.04)
+        return self.arm.gripper_width(self.data) / (2 * FINGER_OPEN)
 
     def state_vector(self) -> np.ndarray:
         quat = np.zeros(4)
@@ -335,6 +350,17 @@ class TabletopEnv(gym.Env):
 
     def set_color(self, geom: str, color: str) -> None:
         self.model.geom_rgba[self.model.geom(geom).id, :3] = COLORS[color]
+
+    def carry_progress(self, obj: np.ndarray, place: np.ndarray, rest_z: float) -> float:
+        """Progress of a pick-and-place style task: reach (0-0.4), carry toward the place pose (0.5-0.95), done (1)."""
+        if self.is_success():
+            return 1.0
+        if np.linalg.norm(obj - place) < 0.02:
+            return 0.95  # placed, not yet released
+        lifted = obj[2] > rest_z + 0.015 and all(self.finger_contacts(self.target.body))
+        if not lifted:
+            return 0.4 * float(np.clip(1 - np.linalg.norm(self.ee_pos() - obj) / 0.4, 0, 1))
+        return 0.5 + 0.45 * float(np.clip(1 - np.linalg.norm(obj - place) / 0.4, 0, 1))
 
     def finger_contacts(self, body: str) -> tuple[bool, bool]:
         """Whether the left and right finger pads touch `body`."""

@@ -128,14 +128,24 @@ class SimulatedHuman(gym.Wrapper):
     def step(self, action: Any):
         env: TabletopEnv = self.env.unwrapped
         t = len(self.labels)
+        handback = False
         if self.mode == "policy":
-            before = env.ee_pos()
+            before, opening_before, progress_before = env.ee_pos(), env.gripper_opening(), env.progress()
             executed = env.validate_action(self.autopilot() if self.autopilot is not None else action)
             obs, reward, terminated, truncated, info = self.env.step(executed)
-            moved = np.linalg.norm(env.ee_pos() - before)
-            self.labels.append(Segment.IDLE if moved < self.config.idle_motion else Segment.PROGRESS)
+            # Idle: the arm neither moved nor changed its grip, and nothing got better.
+            idle = (
+                np.linalg.norm(env.ee_pos() - before) < self.config.idle_motion
+                and abs(env.gripper_opening() - opening_before) < 0.02
+                and info["progress"] <= progress_before + 1e-3
+            )
+            self.labels.append(Segment.IDLE if idle else Segment.PROGRESS)
             executed_by = ExecutedBy.POLICY
-            self._watch(info["progress"], t)
+            if self._watch(info["progress"], t) and not (terminated or truncated):
+                if self.config.rewind == "teleport" and self.best_state is not None:
+                    # The rewind happens now, so the next observation is the rewound state the human acts from.
+                    env.set_state(self.best_state)
+                    obs, info = env._observation(), env._info(env.is_success())
         else:
             executed_by = ExecutedBy.HUMAN
             if self.mode == "recovery":
@@ -145,8 +155,9 @@ class SimulatedHuman(gym.Wrapper):
             obs, reward, terminated, truncated, info = self.env.step(executed)
             self.labels.append(label)
             self.human_steps += 1
-            self._advance_human(info["progress"])
+            handback = self._advance_human(info["progress"])
         info["action"] = np.asarray(executed, np.float32)
+        info["handback"] = handback
         info["executed_by"] = executed_by
         info["takeovers"] = self.takeovers
         if terminated or truncated:
@@ -154,7 +165,8 @@ class SimulatedHuman(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
     # ----- the monitor ---------------------------------------------------------------------------------------------
-    def _watch(self, progress: float, t: int) -> None:
+    def _watch(self, progress: float, t: int) -> bool:
+        """Track the best progress so far; take over (and return True) when it stalls or drops."""
         cfg = self.config
         env: TabletopEnv = self.env.unwrapped
         if progress > self.best_progress + cfg.min_gain:
@@ -164,6 +176,8 @@ class SimulatedHuman(gym.Wrapper):
         dropped = progress < self.best_progress - cfg.drop
         if (stalled or dropped) and self.takeovers < cfg.max_takeovers:
             self._take_over(t)
+            return True
+        return False
 
     def _take_over(self, t: int) -> None:
         cfg = self.config
@@ -177,8 +191,7 @@ class SimulatedHuman(gym.Wrapper):
         self.expert.reset()
         self.human_steps = 0
         if cfg.rewind == "teleport" and self.best_state is not None:
-            env.set_state(self.best_state)
-            self.mode = "correction"
+            self.mode = "correction"  # the state itself is restored by `step`, which then re-observes
         elif cfg.rewind == "drive" and self.best_pose is not None:
             # Back to where things last went well, a little higher so nothing is knocked on the way.
             self.recovery_target = self.best_pose + np.array([0.0, 0.0, 0.04])
@@ -196,7 +209,8 @@ class SimulatedHuman(gym.Wrapper):
             self.mode = "correction"
         return action.astype(np.float32)
 
-    def _advance_human(self, progress: float) -> None:
+    def _advance_human(self, progress: float) -> bool:
+        """Hand control back once the correction has made its progress; True on the hand-back step."""
         cfg = self.config
         finishing = self.handback_progress > 1.0
         if self.mode == "correction" and (
@@ -209,3 +223,5 @@ class SimulatedHuman(gym.Wrapper):
             self.last_gain_step = len(self.labels)
             env: TabletopEnv = self.env.unwrapped
             self.best_pose, self.best_state = env.ee_pos(), env.get_state()
+            return True
+        return False

@@ -3,7 +3,7 @@
 A policy is a callable `obs_batch -> actions`, where `obs_batch` is `{key: array (B, ...)}` plus `"task": list[str]`
 and `actions` is `(B, 7)` or a chunk `(B, H, 7)`; chunks are queued per env and executed step by step. A policy
 may define `reset(env_indices)`, called when those envs start a new episode or when a human hands control back
-(so it recomputes its chunk from the current state).
+(so it recomputes its chunk from the current state; wrappers flag that step with `info["handback"]`).
 """
 
 from __future__ import annotations
@@ -80,23 +80,25 @@ class _EpisodeBuffer:
         self.success: list[bool] = []
         self.task = ""
 
-    def add_obs(self, obs: dict[str, Any], i: int) -> None:
+    def add_obs(self, obs: dict[str, Any], i: int, privileged: dict[str, Any]) -> None:
+        """Observation t and the privileged state at the same instant (from the info of the step that led to it)."""
         self.task = obs["task"][i]
         for key, value in obs.items():
             if key != "task":
                 self.obs.setdefault(key, []).append(np.array(value[i]))
+        for key, value in privileged.items():
+            self.privileged.setdefault(key, []).append(np.asarray(value, np.float32))
 
-    def add_step(self, action: np.ndarray, info: dict[str, Any], reward: float, privileged: dict[str, Any]) -> None:
+    def add_step(self, action: np.ndarray, info: dict[str, Any], reward: float) -> None:
         self.actions.append(np.asarray(info.get("action", action), np.float32))
         self.executed_by.append(int(info.get("executed_by", ExecutedBy.POLICY)))
         self.rewards.append(reward)
         self.success.append(bool(info.get("is_success", False)))
-        for key, value in privileged.items():
-            self.privileged.setdefault(key, []).append(np.asarray(value, np.float32))
 
     def to_episode(self, task_id: str, policy_version: str, segment: np.ndarray | None) -> Episode:
         T = len(self.actions)
         observations = {k: np.stack(v[:T]) for k, v in self.obs.items()}
+        privileged = {k: np.stack(v[:T]) for k, v in self.privileged.items()}
         return Episode(
             observations=observations,
             action=np.stack(self.actions),
@@ -109,7 +111,7 @@ class _EpisodeBuffer:
             seed=self.seed,
             policy_version=policy_version,
             fps=CONTROL_HZ,
-            privileged={k: np.stack(v) for k, v in self.privileged.items()},
+            privileged=privileged,
         )
 
 
@@ -138,9 +140,9 @@ def collect(
             buffers[i] = None
             return
         seed = pending.pop(0)
-        obs, _ = vector.reset_at(i, seed)
+        obs, info = vector.reset_at(i, seed)
         buffers[i] = _EpisodeBuffer(seed)
-        buffers[i].add_obs(obs, i)
+        buffers[i].add_obs(obs, i, info.get("privileged", {}) if record_privileged else {})
         queues[i] = []
         if reset_fn is not None:
             reset_fn([i])
@@ -164,10 +166,11 @@ def collect(
         obs, rewards, terminated, truncated, infos = vector.step(actions, active)
         for i in np.flatnonzero(active):
             info = infos[i]
-            priv = info.get("privileged", {}) if record_privileged else {}
-            buffers[i].add_step(actions[i], info, float(rewards[i]), priv)
+            buffers[i].add_step(actions[i], info, float(rewards[i]))
             if info.get("executed_by", ExecutedBy.POLICY) == ExecutedBy.HUMAN:
-                queues[i] = []  # the policy replans from the state the human hands back
+                queues[i] = []  # the human's steps ignore the policy's chunk
+            if info.get("handback") and reset_fn is not None:
+                reset_fn([i])  # the policy restarts from the state the human hands back
             if terminated[i] or truncated[i]:
                 ep = buffers[i].to_episode(task_id, policy_version, info.get("segment_labels"))
                 episodes.append(ep)
@@ -175,7 +178,7 @@ def collect(
                     on_episode(ep)
                 start(i)
             else:
-                buffers[i].add_obs(obs, i)
+                buffers[i].add_obs(obs, i, info.get("privileged", {}) if record_privileged else {})
     return episodes
 
 

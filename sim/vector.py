@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 from typing import Any
@@ -88,25 +89,28 @@ def _worker(conn: Any, env_fns: list[EnvFn], shm_specs: dict[str, tuple[str, tup
     try:
         while True:
             cmd, payload = conn.recv()
-            if cmd == "reset":
-                j, seed = payload
-                obs, info = envs[j].reset(seed=seed)
-                conn.send((store(j, obs), info))
-            elif cmd == "step":
-                actions, active = payload
-                out = []
-                for j, env in enumerate(envs):
-                    if not active[j]:
-                        out.append(None)
-                        continue
-                    obs, reward, terminated, truncated, info = env.step(actions[j])
-                    out.append((store(j, obs), reward, terminated, truncated, info))
-                conn.send(out)
-            elif cmd == "call":
-                j, method, args = payload
-                conn.send(getattr(envs[j], method)(*args))
-            elif cmd == "close":
+            if cmd == "close":
                 break
+            try:
+                if cmd == "reset":
+                    j, seed = payload
+                    obs, info = envs[j].reset(seed=seed)
+                    reply: Any = (store(j, obs), info)
+                elif cmd == "step":
+                    actions, active = payload
+                    reply = []
+                    for j, env in enumerate(envs):
+                        if not active[j]:
+                            reply.append(None)
+                            continue
+                        obs, reward, terminated, truncated, info = env.step(actions[j])
+                        reply.append((store(j, obs), reward, terminated, truncated, info))
+                else:
+                    j, method, args = payload
+                    reply = getattr(envs[j], method)(*args)
+                conn.send(("ok", reply))
+            except Exception as err:  # noqa: BLE001 - sent back and re-raised in the parent, with its type
+                conn.send(("error", (type(err), str(err), traceback.format_exc())))
     except (EOFError, KeyboardInterrupt):
         pass
     finally:
@@ -120,10 +124,11 @@ def _worker(conn: Any, env_fns: list[EnvFn], shm_specs: dict[str, tuple[str, tup
 class ProcessVector:
     """`num_workers` processes, each holding a contiguous block of envs; camera frames travel in shared memory."""
 
-    def __init__(self, env_fns: Sequence[EnvFn], num_workers: int = 2) -> None:
+    def __init__(self, env_fns: Sequence[EnvFn], num_workers: int = 2, *, timeout_s: float = 120.0) -> None:
         if num_workers < 1 or num_workers > len(env_fns):
             raise ValueError(f"num_workers must be in [1, {len(env_fns)}] (the number of envs); got {num_workers}")
         self.num_envs = len(env_fns)
+        self.timeout_s = timeout_s
         probe = env_fns[0]()
         self.observation_space = probe.observation_space
         probe.close()
@@ -151,6 +156,26 @@ class ProcessVector:
             self.procs.append(proc)
         self.owner = {int(i): (w, j) for w, block in enumerate(self.blocks) for j, i in enumerate(block)}
 
+    def _recv(self, w: int) -> Any:
+        """A worker's reply; its exception re-raised here with the same type; a dead or stuck worker is an error."""
+        conn = self.conns[w]
+        if not conn.poll(self.timeout_s):
+            self.close()
+            raise RuntimeError(f"env worker {w} sent nothing for {self.timeout_s:.0f} s; the vector env was closed")
+        try:
+            status, reply = conn.recv()
+        except (EOFError, ConnectionError) as err:
+            self.close()
+            raise RuntimeError(f"env worker {w} died (exit code {self.procs[w].exitcode}); the vector env was closed") from err
+        if status == "error":
+            kind, message, remote_tb = reply
+            try:
+                exc = kind(message)
+            except Exception:  # noqa: BLE001 - exception types with unusual constructors
+                exc = RuntimeError(message)
+            raise exc from RuntimeError(f"in env worker {w}:\n{remote_tb}")
+        return reply
+
     def _store_small(self, i: int, small: dict[str, Any]) -> None:
         for key, value in small.items():
             self.obs[key][i] = value
@@ -158,7 +183,7 @@ class ProcessVector:
     def reset_at(self, i: int, seed: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
         w, j = self.owner[i]
         self.conns[w].send(("reset", (j, seed)))
-        small, info = self.conns[w].recv()
+        small, info = self._recv(w)
         self._store_small(i, small)
         return self.obs, info
 
@@ -170,8 +195,17 @@ class ProcessVector:
         terminated = np.zeros(self.num_envs, bool)
         truncated = np.zeros(self.num_envs, bool)
         infos: list[dict[str, Any]] = [{} for _ in range(self.num_envs)]
-        for w, block in enumerate(self.blocks):
-            for i, result in zip(block, self.conns[w].recv()):
+        replies, error = [], None
+        for w in range(len(self.blocks)):  # read every worker's reply, so no stale reply stays in a pipe
+            try:
+                replies.append(self._recv(w))
+            except Exception as err:  # noqa: BLE001
+                replies.append(None)
+                error = error or err
+        if error is not None:
+            raise error
+        for block, reply in zip(self.blocks, replies):
+            for i, result in zip(block, reply):
                 if result is None:
                     continue
                 small, rewards[i], terminated[i], truncated[i], infos[i] = result
@@ -181,9 +215,11 @@ class ProcessVector:
     def call(self, i: int, method: str, *args: Any) -> Any:
         w, j = self.owner[i]
         self.conns[w].send(("call", (j, method, args)))
-        return self.conns[w].recv()
+        return self._recv(w)
 
     def close(self) -> None:
+        if not self._shms:
+            return
         for conn in self.conns:
             try:
                 conn.send(("close", None))

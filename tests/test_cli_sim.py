@@ -53,7 +53,7 @@ def test_collect_with_interventions_records_segments(tmp_path: Path):
     episodes = read_episodes(out_dir)
     assert sorted(ep.seed for ep in episodes) == [10, 11, 12, 13]
     everything = np.concatenate([ep.executed_by for ep in episodes])
-    assert (everything == ExecutedBy.POLICY).any()
+    assert (everything == ExecutedBy.POLICY).any() and (everything == ExecutedBy.HUMAN).any()
     for ep in episodes:
         human = ep.executed_by == ExecutedBy.HUMAN
         assert np.isin(ep.segment[human], [Segment.RECOVERY, Segment.HUMAN]).all()
@@ -86,3 +86,21 @@ def test_render_writes_a_video(tmp_path: Path):
     assert frames.shape[1:] == (240, 440, 3)
     assert 10 < len(frames) <= 120
     assert frames[-1].astype(float).std() > 10
+
+
+def test_collect_extends_an_existing_dataset_with_new_seeds(tmp_path: Path):
+    out_dir = tmp_path / "demos"
+    args = ("sim", "collect", "--task", "drawer", "--episodes", "2", "--out", str(out_dir), "--image-size", "32")
+    assert kinema(*args).returncode == 0
+    assert kinema(*args).returncode == 0
+    assert sorted(ep.seed for ep in read_episodes(out_dir)) == [0, 1, 2, 3]
+    replaced = kinema(*args, "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert sorted(ep.seed for ep in read_episodes(out_dir)) == [0, 1]
+
+
+def test_bad_collect_flags_name_the_flag(tmp_path: Path):
+    result = kinema("sim", "collect", "--task", "push", "--episodes", "1", "--out", str(tmp_path / "x"), "--image-size", "33")
+    assert result.returncode == 2 and "--image-size" in result.stderr
+    result = kinema("sim", "collect", "--task", "push", "--episodes", "1", "--out", str(tmp_path / "x"), "--expert-noise", "-1")
+    assert result.returncode == 2 and "--expert-noise" in result.stderr

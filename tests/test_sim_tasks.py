@@ -85,7 +85,7 @@ def test_expert_competence_is_tunable():
 
 
 def test_unknown_task_lists_valid_ones():
-    with pytest.raises(ValueError, match="valid tasks: drawer, pick_place, push, stack.*Did you mean 'pick_place'"):
+    with pytest.raises(ValueError, match="valid tasks: drawer, drawer_hard, pick_place, .*Did you mean .pick_place."):
         make("pick_plce")
 
 
@@ -148,6 +148,10 @@ def _color_of(env, geom: str) -> str:
 def test_difficulty_is_configurable():
     few = make("pick_place", {"num_distractors": 0}, cameras=())
     many = make("pick_place", {"num_distractors": 3}, cameras=())
+    with pytest.raises(ValueError, match="num_distractors=4 exceeds the 3"):
+        make("pick_place", {"num_distractors": 4})
+    with pytest.raises(ValueError, match="num_distractors must be >= 0; got -1"):
+        make("push", {"num_distractors": -1})
     few.reset(seed=0)
     many.reset(seed=0)
     assert len(few.active) == 1 and len(many.active) == 4
@@ -168,3 +172,25 @@ def test_layouts_do_not_overlap():
         xy = np.array([env.body_pos(s.body)[:2] for s in env.active])
         d = np.linalg.norm(xy[:, None] - xy[None], axis=-1) + np.eye(len(xy))
         assert d.min() > 0.08
+
+
+def test_drawer_heldout_objects_name_a_heldout_colour():
+    from sim.tasks.drawer import HELDOUT_DRAWER_COLORS
+
+    env = make("drawer", cameras=(), objects="heldout")
+    for seed in range(10):
+        env.reset(seed=seed)
+        assert env.target_color in HELDOUT_DRAWER_COLORS and env.target_color in env.task
+    train = make("drawer", cameras=())
+    for seed in range(10):
+        train.reset(seed=seed)
+        assert train.target_color not in HELDOUT_DRAWER_COLORS
+
+
+@pytest.mark.parametrize("variant", ["pick_place_hard", "stack_hard", "push_hard", "drawer_hard"])
+def test_hard_variants_are_harder_and_still_solvable(variant):
+    from sim.tasks import VARIANTS
+
+    env = make(variant, cameras=())
+    assert env.config.num_distractors == VARIANTS[variant][1]["num_distractors"]
+    assert np.mean([run_expert(env, seed)[0] for seed in range(10)]) >= 0.8

@@ -15,7 +15,7 @@ from typing import Any
 import draccus
 import yaml
 
-RL_METHODS = ("habc", "sft_continued", "awr", "flow_ppo", "none")
+RL_METHODS = ("habc", "sft_continued", "awr", "none")
 
 
 @dataclass
@@ -47,7 +47,7 @@ class HABCOptions:
 
 @dataclass
 class RLConfig:
-    method: str = "habc"  # habc | sft_continued (the control) | awr | flow_ppo | none
+    method: str = "habc"  # habc | sft_continued (the control) | awr | none (SFT only)
     rounds: int = 4
     episodes_per_round: int = 48  # rollouts per round
     updates_per_round: int = 600  # actor gradient steps per round
@@ -57,9 +57,6 @@ class RLConfig:
     replay_rounds: int = 3  # rollouts of this many recent rounds are kept
     interventions: bool = False  # a simulated human monitors the policy and takes over before failures
     awr_temperature: float = 1.0  # single-critic AWR baseline: w = exp(A / temperature), clipped
-    ppo_clip: float = 0.2  # flow_ppo baseline
-    ppo_noise_level: float = 0.5
-    ppo_epochs: int = 2
     success_model: bool = True  # refit the eVTA_0 success-probability model every round (RLER) and log calibration
     habc: HABCOptions = field(default_factory=HABCOptions)
 
@@ -129,7 +126,7 @@ def _check_keys(data: Any, valid: dict[str, list[str]], prefix: str = "", source
         return
     for key, value in data.items():
         if key not in valid[prefix]:
-            raise ValueError(f"unknown config key {prefix}{key!r}{source}; valid keys here: {', '.join(valid[prefix])}")
+            raise ValueError(f"unknown config key '{prefix}{key}'{source}; valid keys here: {', '.join(valid[prefix])}")
         if f"{prefix}{key}." in valid:
             _check_keys(value, valid, f"{prefix}{key}.", source)
 
@@ -150,7 +147,15 @@ def load_config(config_path: str | None = None, overrides: list[str] | None = No
             if prefix not in valid or leaf not in valid[prefix]:
                 level = valid.get(prefix, valid[""])
                 raise ValueError(f"unknown config key {dotted!r} on the command line; valid keys here: {', '.join(level)}")
-    return draccus.parse(config_class=TrainConfig, config_path=config_path, args=list(overrides or []))
+    try:
+        return draccus.parse(config_class=TrainConfig, config_path=config_path, args=list(overrides or []))
+    except Exception as err:  # draccus wraps our own validation errors; surface the one that names the field
+        cause = err
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, ValueError):
+            raise ValueError(str(cause)) from None
+        raise ValueError(f"invalid config: {err}") from None
 
 
 def dump_config(config: TrainConfig) -> str:

@@ -16,17 +16,47 @@ TASKS: dict[str, type[TabletopEnv]] = {
 }
 
 
+# Harder variants for larger machines and curricula: more distractors, wider layouts, every colour.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "pick_place_hard": ("pick_place", {"num_distractors": 3, "x_range": (0.36, 0.66), "y_range": (-0.26, 0.26)}),
+    "stack_hard": ("stack", {"num_distractors": 2, "x_range": (0.38, 0.66), "y_range": (-0.25, 0.25)}),
+    "push_hard": ("push", {"num_distractors": 2, "x_range": (0.38, 0.66), "y_range": (-0.25, 0.25)}),
+    "drawer_hard": ("drawer", {"num_distractors": 2, "x_range": (0.4, 0.58), "y_range": (-0.3, 0.3)}),
+}
+
+
+def task_names() -> list[str]:
+    return sorted([*TASKS, *VARIANTS])
+
+
 def task_class(name: str) -> type[TabletopEnv]:
+    if name in VARIANTS:
+        return TASKS[VARIANTS[name][0]]
     if name not in TASKS:
-        close = difflib.get_close_matches(name, TASKS, n=1)
+        close = difflib.get_close_matches(name, task_names(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}.{hint}")
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(task_names())}.{hint}")
     return TASKS[name]
 
 
 def make(name: str, config: TaskConfig | dict[str, Any] | None = None, **kwargs: Any) -> TabletopEnv:
-    """Build a task environment by name. `config` may be a TaskConfig or a dict of overrides of its defaults."""
+    """Build a task environment by name. `config` may be a TaskConfig or a dict of overrides of its defaults.
+
+    `robosuite/<Task>` names (Lift, Stack, PickPlaceCan, Door, ...) run robosuite tasks through the same interface
+    (optional extra: pip install -e ".[robosuite]").
+    """
+    if name.startswith("robosuite/"):
+        from sim.robosuite_adapter import make_robosuite  # imported only on request: robosuite is optional
+
+        if config:
+            raise ValueError("robosuite tasks take keyword arguments (horizon=..., image_size=...), not a TaskConfig")
+        return make_robosuite(name, **kwargs)
     cls = task_class(name)
+    if name in VARIANTS:
+        overrides = dict(VARIANTS[name][1])
+        if isinstance(config, TaskConfig):
+            raise ValueError(f"{name} is a variant of {VARIANTS[name][0]}: pass config overrides as a dict")
+        config = {**overrides, **(config or {})}
     if isinstance(config, dict):
         base = cls.default_config()
         unknown = set(config) - set(base.__dataclass_fields__)
@@ -36,4 +66,4 @@ def make(name: str, config: TaskConfig | dict[str, Any] | None = None, **kwargs:
     return cls(config, **kwargs)
 
 
-__all__ = ["TASKS", "make", "task_class", "TaskConfig", "TabletopEnv"]
+__all__ = ["TASKS", "VARIANTS", "make", "task_class", "task_names", "TaskConfig", "TabletopEnv"]

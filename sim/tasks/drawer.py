@@ -35,6 +35,7 @@ class DrawerEnv(TabletopEnv):
             "draw the {which} drawer toward you",
         ),
     )
+    max_distractors = 2
     max_objects = 2
 
     @classmethod
@@ -89,7 +90,7 @@ class DrawerEnv(TabletopEnv):
         self.set_color(f"front_{'bottom' if self.which == 'top' else 'top'}", other_color)
         self.target_color = target_color
         # Distractor blocks sit on the table in front of or beside the cabinet, out of the handle's way.
-        n = min(cfg.num_distractors, self.max_objects)
+        n = cfg.num_distractors
         self.active = []
         if n:
             descriptions = pick_objects(rng, cfg.colors, ("cube",), "train", n - 1) if n > 0 else []
@@ -100,7 +101,9 @@ class DrawerEnv(TabletopEnv):
                 self.set_free_body(slot.body, np.array(pos), rng.uniform(-cfg.yaw_range, cfg.yaw_range))
                 self.set_color(slot.geom, color)
         templates = getattr(self.instructions, self.instruction_split)
-        which = self.which if rng.random() < 0.5 else f"{target_color}"
+        # With held-out objects the drawer is always named by its (held-out) colour, so the split tests colours.
+        by_colour = self.object_split == "heldout" or rng.random() < 0.5
+        which = target_color if by_colour else self.which
         return templates[rng.integers(len(templates))].format(which=which)
 
     def drawer_opening(self) -> float:

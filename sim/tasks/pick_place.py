@@ -30,6 +30,7 @@ class PickPlaceEnv(TabletopEnv):
         ),
     )
     shapes = ("cube", "brick")
+    max_distractors = 3
     max_objects = 4
 
     @classmethod
@@ -50,7 +51,7 @@ class PickPlaceEnv(TabletopEnv):
 
     def sample_episode(self, rng: np.random.Generator) -> str:
         cfg = self.config
-        n = min(cfg.num_distractors, self.max_objects - 1)
+        n = cfg.num_distractors
         descriptions = pick_objects(rng, cfg.colors, self.shapes, self.object_split, n)
         self.active = assign_slots(self.slots, descriptions)
         plate_colors = rng.choice(len(cfg.colors), size=2, replace=False)
@@ -80,16 +81,9 @@ class PickPlaceEnv(TabletopEnv):
         return bool(on_plate and resting and not any(self.finger_contacts(self.target.body)))
 
     def progress(self) -> float:
-        obj, goal, ee = self.body_pos(self.target.body), self.goal_pos(), self.ee_pos()
-        if self.is_success():
-            return 1.0
-        lifted = obj[2] > HALF + 0.015 and all(self.finger_contacts(self.target.body))
-        above_goal = np.array([goal[0], goal[1], self.place_height()])
-        if np.linalg.norm(obj - above_goal) < 0.02:
-            return 0.95  # placed, not yet released
-        if not lifted:
-            return 0.4 * float(np.clip(1 - np.linalg.norm(ee - obj) / 0.4, 0, 1))
-        return 0.5 + 0.45 * float(np.clip(1 - np.linalg.norm(obj - above_goal) / 0.4, 0, 1))
+        goal = self.goal_pos()
+        place = np.array([goal[0], goal[1], self.place_height()])
+        return self.carry_progress(self.body_pos(self.target.body), place, HALF)
 
     def privileged(self) -> dict[str, np.ndarray]:
         objects = np.zeros((self.max_objects, 3), np.float32)

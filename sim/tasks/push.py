@@ -29,6 +29,7 @@ class PushEnv(TabletopEnv):
         ),
     )
     shapes = ("cube", "brick")
+    max_distractors = 2
     max_objects = 3
 
     @classmethod
@@ -49,7 +50,7 @@ class PushEnv(TabletopEnv):
 
     def sample_episode(self, rng: np.random.Generator) -> str:
         cfg = self.config
-        n = min(cfg.num_distractors, self.max_objects - 1)
+        n = cfg.num_distractors
         descriptions = pick_objects(rng, cfg.colors, self.shapes, self.object_split, n)
         self.active = assign_slots(self.slots, descriptions)
         for _ in range(100):

@@ -1,0 +1,87 @@
+"""`kinema train` end to end at a tiny budget: files, metrics, resume, config errors. (Learning claims live in
+benchmarks/vla_rl.py; here we check the machinery.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffusion_rl.data.lerobot_v3 import read_episodes
+from kinema.train.config import load_config
+from policies.vla import VLAPolicy
+
+TINY = [
+    "--task", "drawer", "--demos.episodes", "4", "--sft.steps", "6", "--sft.batch_size", "8",
+    "--rl.episodes_per_round", "3", "--rl.updates_per_round", "4", "--rl.batch_size", "8",
+    "--rl.habc.critic_steps", "5", "--eval.episodes", "3", "--eval.round_episodes", "2", "--eval.videos", "1",
+    "--workers", "0", "--num_envs", "3", "--policy.image_size", "32", "--task_config", '{"horizon": 30}',
+]  # fmt: skip
+
+
+def kinema(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kinema.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
+    run = tmp_path / "run"
+    first = kinema("train", *TINY, "--rl.rounds", "1", "--rl.interventions", "true", "--out", str(run))
+    assert first.returncode == 0, first.stderr[-3000:]
+    for name in ("config.yaml", "metrics.jsonl", "curves.png", "report.md", "state.json"):
+        assert (run / name).is_file(), name
+    assert sorted(p.name for p in (run / "videos").iterdir()) == ["after-0.mp4", "before-0.mp4"]
+    state = json.loads((run / "state.json").read_text())
+    assert state["round"] == 1 and state["latest_checkpoint"] == "checkpoints/round-001"
+    rollouts = read_episodes(run / "rollouts" / "round-001")
+    assert len(rollouts) == 3 and {ep.policy_version for ep in rollouts} == {"round-1"}
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("eval") == 3 and kinds.count("round") == 1  # SFT, round 1, final
+    round_record = next(r for r in records if r["kind"] == "round")
+    assert {"habc/p_v_mean", "success_model/brier", "rollout/takeover_rate", "actor/loss"} <= set(round_record)
+    report = (run / "report.md").read_text()
+    assert "| train |" in report and "heldout instructions" in report
+
+    # Resume with one more round: continues at round 2 from the round-1 checkpoint, keeps everything before.
+    second = kinema("train", "--resume", str(run), "--rl.rounds", "2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed" in second.stderr
+    state = json.loads((run / "state.json").read_text())
+    assert state["round"] == 2 and state["env_steps"] > 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records if r["kind"] == "round"] == [1, 2]
+    policy = VLAPolicy.from_pretrained(str(run / "checkpoints" / "round-002"))
+    assert policy.config.image_size == 32 and policy.config.extra["tasks"] == ["drawer"]
+
+
+def test_fresh_train_refuses_an_existing_run(tmp_path: Path):
+    (tmp_path / "state.json").write_text("{}")
+    (tmp_path / "state.json").write_text(json.dumps({"round": 0}))
+    result = kinema("train", *TINY, "--out", str(tmp_path))
+    assert result.returncode == 2 and "already holds a run" in result.stderr
+
+
+def test_unknown_config_keys_list_the_valid_ones(tmp_path: Path):
+    with pytest.raises(ValueError, match="unknown config key 'rl.roundz'.*valid keys here: method, rounds"):
+        load_config(None, ["--rl.roundz", "3"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: push\nsft:\n  stepz: 3\n")
+    with pytest.raises(ValueError, match="unknown config key 'sft.stepz'.*bad.yaml.*valid keys here: steps"):
+        load_config(str(bad))
+    with pytest.raises(ValueError, match="rl.method 'ppo' is not known; valid: habc, sft_continued, awr"):
+        load_config(None, ["--rl.method", "ppo"])
+    result = kinema("train", "--rl.roundz", "3")
+    assert result.returncode == 2 and "valid keys here" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_config_files_in_assets_load():
+    configs = sorted((Path(__file__).resolve().parent.parent / "assets" / "configs").glob("*.yaml"))
+    assert configs, "assets/configs/ ships no training configs"
+    for path in configs:
+        cfg = load_config(str(path))
+        assert cfg.rl.rounds >= 0 and np.isfinite(cfg.sft.lr)

@@ -1,0 +1,181 @@
+"""The VLA as the RL core sees it: per-sample flow loss, chunks, SDE log-probs, checkpoints, language conditioning."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_rl.protocol import FlowPolicy
+from policies.vla import VLAConfig, VLAPolicy
+from policies.vla.text import HashTokenizer, word_ngrams
+
+torch.set_num_threads(1)
+
+
+def tiny_config(**kw) -> VLAConfig:
+    base = dict(
+        image_size=32, vision_channels=(8, 16, 16), vision_dim=32, text_dim=16, hidden_dim=32, expert_hidden=64,
+        expert_layers=2, state_hidden=16, chunk_size=4, n_action_steps=2, num_flow_steps=4, augment_shift=0,
+    )  # fmt: skip
+    base.update(kw)
+    return VLAConfig(**base)
+
+
+def fake_batch(B: int = 6, config: VLAConfig | None = None, seed: int = 0) -> dict:
+    config = config or tiny_config()
+    g = torch.Generator().manual_seed(seed)
+    s = config.image_size
+    return {
+        "observation.images.agentview": torch.randint(0, 256, (B, s, s, 3), dtype=torch.uint8, generator=g),
+        "observation.images.wrist": torch.randint(0, 256, (B, s, s, 3), dtype=torch.uint8, generator=g),
+        "observation.state": torch.randn(B, 8, generator=g),
+        "task": ["put the red cube on the blue plate"] * B,
+        "action": torch.rand(B, config.chunk_size, 7, generator=g) * 2 - 1,
+    }
+
+
+def test_implements_the_core_protocol():
+    assert isinstance(VLAPolicy(tiny_config()), FlowPolicy)
+
+
+def test_flow_loss_is_per_sample_and_weights_of_one_change_nothing():
+    torch.manual_seed(0)
+    model = VLAPolicy(tiny_config())
+    batch = fake_batch()
+    t = torch.rand(6)
+    noise = torch.randn(6, 4, 7)
+    plain = model.flow_loss({**batch, "t": t, "noise": noise})
+    weighted = model.flow_loss({**batch, "t": t, "noise": noise}, weights=torch.ones(6))
+    assert plain.shape == (6,)
+    torch.testing.assert_close(plain, weighted)
+    doubled = model.flow_loss({**batch, "t": t, "noise": noise}, weights=torch.full((6,), 2.0))
+    torch.testing.assert_close(doubled, 2 * plain)
+
+
+def test_padded_chunk_steps_do_not_count():
+    """Targets past the episode end never enter the loss (the expert's output is pinned to isolate the mask)."""
+    torch.manual_seed(0)
+    model = VLAPolicy(tiny_config())
+    model.expert.forward = lambda x_t, t, context: torch.zeros_like(x_t)
+    batch = fake_batch()
+    pad = torch.zeros(6, 4, dtype=torch.bool)
+    pad[:, 2:] = True
+    t, noise = torch.rand(6), torch.randn(6, 4, 7)
+    a = model.flow_loss({**batch, "t": t, "noise": noise, "action_is_pad": pad})
+    changed = batch["action"].clone()
+    changed[:, 2:] = 5.0
+    b = model.flow_loss({**batch, "action": changed, "t": t, "noise": noise, "action_is_pad": pad})
+    torch.testing.assert_close(a, b)
+    unmasked = model.flow_loss({**batch, "action": changed, "t": t, "noise": noise})
+    assert (unmasked > a).all()
+
+
+def test_chunks_are_bounded_and_deterministic_given_noise():
+    model = VLAPolicy(tiny_config()).eval()
+    batch = fake_batch()
+    noise = torch.randn(6, 4, 7)
+    a = model.predict_action_chunk(batch, noise=noise)
+    b = model.predict_action_chunk(batch, noise=noise)
+    assert a.shape == (6, 4, 7) and a.abs().max() <= 1.0
+    torch.testing.assert_close(a, b)
+
+
+def test_select_action_replans_every_n_action_steps():
+    model = VLAPolicy(tiny_config(n_action_steps=2)).eval()
+    calls = []
+    original = model.predict_action_chunk
+    model.predict_action_chunk = lambda batch, **kw: (calls.append(1), original(batch, **kw))[1]
+    obs = {k: (v[0].numpy() if torch.is_tensor(v) else v[0]) for k, v in fake_batch(1).items() if k != "action"}
+    actions = [model.select_action(obs) for _ in range(5)]
+    assert len(calls) == 3 and all(a.shape == (7,) for a in actions)
+    model.reset()
+    model.select_action(obs)
+    assert len(calls) == 4
+
+
+def test_sde_log_prob_ratio_is_one_before_any_update():
+    torch.manual_seed(0)
+    model = VLAPolicy(tiny_config()).eval()
+    batch = fake_batch()
+    chunk, record = model.sample_chunk_sde(batch, noise_level=0.5)
+    assert chunk.shape == (6, 4, 7)
+    k = 1  # a stochastic step
+    step = model.sde_log_prob(
+        {**batch, "x_t": record["x_t"][:, k], "t": record["t"][k].expand(6), "t_next": record["t_next"][k].expand(6),
+         "x_next": record["x_next"][:, k]},
+        noise_level=0.5,
+    )  # fmt: skip
+    ratio = torch.exp(step.log_prob - record["log_prob"][:, k])
+    torch.testing.assert_close(ratio, torch.ones(6), atol=1e-5, rtol=0)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = VLAPolicy(tiny_config(aux_dim=5))
+    model.set_normalization({"observation.state": {"mean": np.arange(8.0), "std": np.full(8, 2.0)}})
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary files left behind"
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["format_version"] == 1 and config["policy_type"] == "vla" and config["aux_dim"] == 5
+    loaded = VLAPolicy.from_pretrained(str(tmp_path / "ckpt")).eval()
+    torch.testing.assert_close(loaded.state_mean, torch.arange(8.0))
+    noise = torch.randn(6, 4, 7)
+    batch = fake_batch()
+    torch.testing.assert_close(model.eval().predict_action_chunk(batch, noise=noise), loaded.predict_action_chunk(batch, noise=noise))
+    # Saving again over an existing checkpoint replaces it in one step.
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path):
+    VLAPolicy(tiny_config(hidden_dim=32)).save_pretrained(str(tmp_path / "a"))
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    config["hidden_dim"] = 48
+    (tmp_path / "a" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="does not match this VLA architecture.*checkpoint \\(32"):
+        VLAPolicy.from_pretrained(str(tmp_path / "a"))
+    config["format_version"] = 99
+    (tmp_path / "a" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="format_version 99 is not supported"):
+        VLAPolicy.from_pretrained(str(tmp_path / "a"))
+    with pytest.raises(FileNotFoundError, match="missing config.json, model.safetensors"):
+        (tmp_path / "empty").mkdir()
+        VLAPolicy.from_pretrained(str(tmp_path / "empty"))
+
+
+def test_tokenizer_handles_unseen_words_and_is_stable_across_processes():
+    tok = HashTokenizer(4096, 16)
+    ids, mask = tok(["put the red cube on the dish", "x"])
+    assert ids.shape == (2, 16, 12) and mask[0].sum() == 7 and mask[1].sum() == 1
+    # "dishes" (unseen) shares trigrams with "dish".
+    assert len(set(word_ngrams("dish", 4096)) & set(word_ngrams("dishes", 4096))) >= 3
+    code = "from policies.vla.text import word_ngrams; print(word_ngrams('plate', 4096))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert other == str(word_ngrams("plate", 4096))
+
+
+def test_instruction_conditions_the_actions():
+    """Two instructions with opposite target chunks on identical images: the policy must follow the words."""
+    torch.manual_seed(0)
+    config = tiny_config(expert_hidden=64)
+    model = VLAPolicy(config)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    batch = fake_batch(8, config)
+    batch["task"] = ["push the red cube"] * 4 + ["push the blue cube"] * 4
+    batch["action"] = torch.cat([torch.full((4, 4, 7), 0.6), torch.full((4, 4, 7), -0.6)])
+    for k in ("observation.images.agentview", "observation.images.wrist", "observation.state"):
+        batch[k] = batch[k][:1].expand_as(batch[k]).clone()
+    for _ in range(250):
+        loss = model.flow_loss(batch).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    chunks = model.predict_action_chunk(batch)
+    assert chunks[:4].mean() > 0.3 and chunks[4:].mean() < -0.3
