@@ -67,6 +67,7 @@ class EvalConfig:
     round_episodes: int = 48  # per evaluation between rounds
     heldout: bool = True  # also evaluate held-out paraphrases and held-out object combinations
     videos: int = 2  # rollout MP4s before and after RL
+    baseline: bool = True  # evaluate the starting (SFT) policy; off when branching from a run that already did
 
 
 @dataclass
@@ -88,6 +89,7 @@ class TrainConfig:
     workers: int = 2  # env worker processes (0: step envs in this process)
     threads: int = 1  # torch threads; one per process is fastest on a shared CPU
     dataset: str = ""  # train SFT on this LeRobotDataset folder instead of collecting scripted demos
+    init_policy: str = ""  # start RL from this checkpoint instead of running SFT (e.g. another run's checkpoints/sft)
     policy: PolicyOptions = field(default_factory=PolicyOptions)
     demos: DemoConfig = field(default_factory=DemoConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

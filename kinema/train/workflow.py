@@ -240,28 +240,35 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         env_steps, actor_step, start_round = state["env_steps"], state["actor_step"], state["round"] + 1
         console.print(f"resumed {run.root} after {latest} (round {state['round']})")
     else:
+        if cfg.init_policy:
+            # Branch from an existing SFT checkpoint: every method of a comparison starts from the same policy.
+            policy = VLAPolicy.from_pretrained(cfg.init_policy)
+            sft_steps = 0
+        else:
+            sft_steps = cfg.sft.steps
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(cfg.sft.steps, 1), eta_min=cfg.rl.lr)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(sft_steps, 1), eta_min=cfg.rl.lr)
         with progress_bar(console) as bar:
-            job = bar.add_task("SFT", total=cfg.sft.steps, status="")
+            job = bar.add_task("SFT", total=sft_steps, status="")
 
             def sft_step() -> None:
                 schedule.step()
                 bar.update(job, advance=1)
 
             stats = actor_updates(
-                policy, optimizer, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, demos=demo_buffer, replay=None,
+                policy, optimizer, steps=sft_steps, batch_size=cfg.sft.batch_size, demos=demo_buffer, replay=None,
                 replay_weights=None, demo_fraction=1.0, aux_weight=cfg.sft.aux_weight if aux_dim else 0.0, rng=rng,
                 on_step=sft_step,
             )  # fmt: skip
-        run.log({"kind": "sft", "steps": cfg.sft.steps, **stats})
+        run.log({"kind": "sft", "steps": sft_steps, "init_policy": cfg.init_policy, **stats})
         for group in optimizer.param_groups:
             group["lr"] = cfg.rl.lr
-        with console.status("evaluating the SFT baseline"):
-            results = evaluate_all(policy, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout)
-        run.log(_eval_record("sft", results, env_steps, 0))
-        _print_eval(console, "SFT", results)
-        record_videos(policy, cfg, run.root / "videos", "before")
+        if cfg.eval.baseline:
+            with console.status("evaluating the SFT baseline"):
+                results = evaluate_all(policy, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout)
+            run.log(_eval_record("sft", results, env_steps, 0))
+            _print_eval(console, "SFT", results)
+            record_videos(policy, cfg, run.root / "videos", "before")
         state = {"round": 0, "env_steps": 0, "actor_step": 0, "latest_checkpoint": "checkpoints/sft"}
         save_checkpoint(run, "sft", policy, optimizer, critics, state)
         run.save_state(state)

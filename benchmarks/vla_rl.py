@@ -1,0 +1,141 @@
+"""The headline: RL post-training methods against SFT and the continued-SFT control, at an equal env-step budget.
+
+For each task and seed, one SFT run (demos -> SFT -> evaluation) provides the starting checkpoint; every method
+then branches from that same checkpoint and the same demonstrations, through the same `kinema train` code path:
+
+    sft            the SFT checkpoint itself (no RL)
+    sft_continued  continued SFT on the demos, same gradient steps (the control arm)
+    awr            single-critic advantage-weighted regression
+    habc           hierarchical advantage weighting (viability + efficiency, gated)
+    habc_hil       HABC with the simulated human in the loop
+    habc_nogate    ablation: fixed mix instead of the state-adaptive gate
+    habc_nocredit  ablation: no intervention-aware credit (with the human in the loop, where it matters)
+
+(Flow-SDE PPO is not implemented yet; see the [vla-sim] issue notes.)
+
+Last line: one JSON object, one entry per method with success, heldout_success, steps_to_success and
+gain_over_sft (success points over SFT), each success with its standard error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kinema.train.config import load_config
+from kinema.train.workflow import train
+
+METHODS: dict[str, list[str]] = {
+    "sft_continued": ["--rl.method", "sft_continued"],
+    "awr": ["--rl.method", "awr"],
+    "habc": ["--rl.method", "habc"],
+    "habc_hil": ["--rl.method", "habc", "--rl.interventions", "true"],
+    "habc_nogate": ["--rl.method", "habc", "--rl.habc.gate", "fixed_mix"],
+    "habc_nocredit": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_credit", "false"],
+}
+
+QUICK = [
+    "--demos.episodes", "8", "--sft.steps", "40", "--sft.batch_size", "16", "--rl.rounds", "1",
+    "--rl.episodes_per_round", "4", "--rl.updates_per_round", "10", "--rl.batch_size", "16",
+    "--rl.habc.critic_steps", "20", "--eval.episodes", "6", "--eval.round_episodes", "4", "--eval.heldout", "false",
+    "--eval.videos", "0", "--num_envs", "4", "--policy.image_size", "32", "--task_config", '{"horizon": 60}',
+]  # fmt: skip
+
+
+def final_eval(run: Path, stage: str) -> dict:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in reversed(records) if r.get("kind") == "eval" and r.get("stage") == stage)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one task, tiny budget (< 1-2 minutes)")
+    parser.add_argument("--tasks", default="drawer,push,pick_place")
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--config", default=None, help="base config (YAML) for every run")
+    parser.add_argument("--out", default="runs/bench_vla_rl")
+    args, overrides = parser.parse_known_args()
+    tasks = ["drawer"] if args.quick else args.tasks.split(",")
+    seeds = 1 if args.quick else args.seeds
+    methods = args.methods.split(",")
+    base_overrides = (QUICK if args.quick else []) + overrides
+    out = Path(args.out + ("_quick" if args.quick else ""))
+    started = time.time()
+
+    rows: dict[str, dict[str, list]] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
+    for task in tasks:
+        for seed in range(seeds):
+            base = out / f"{task}-s{seed}" / "sft"
+            if not (base / "state.json").exists():
+                cfg = load_config(args.config, [*base_overrides, "--task", task, "--seed", str(seed), "--rl.method", "none", "--out", str(base)])
+                train(cfg)
+            sft = final_eval(base, "sft")
+            _add(rows["sft"], sft, sft)
+            for method in methods:
+                run = out / f"{task}-s{seed}" / method
+                if not (run / "state.json").exists() or not json.loads((run / "state.json").read_text()).get("final_done"):
+                    cfg = load_config(
+                        args.config,
+                        [*base_overrides, *METHODS[method], "--task", task, "--seed", str(seed), "--out", str(run),
+                         "--init_policy", str(base / "checkpoints" / "sft"), "--dataset", str(base / "demos"),
+                         "--eval.baseline", "false"],
+                    )  # fmt: skip
+                    train(cfg, resume=(run / "state.json").exists())
+                _add(rows[method], final_eval(run, "final"), sft)
+
+    summary = {}
+    print(f"\n{'method':<15} {'success':>14} {'held-out':>14} {'steps':>8} {'gain (pts)':>12}")
+    for method, r in rows.items():
+        entry = {
+            "success": _mean(r["success"]),
+            "success_se": _pooled_se(r["success"]),
+            "heldout_success": _mean(r["heldout"]),
+            "heldout_success_se": _pooled_se(r["heldout"]),
+            "steps_to_success": _mean([s for s in r["steps"] if s is not None]),
+            "gain_over_sft": None if method == "sft" else _mean(r["gain"]),
+        }
+        summary[method] = entry
+        gain = "" if entry["gain_over_sft"] is None else f"{100 * entry['gain_over_sft']:+.1f}"
+        steps = entry["steps_to_success"] or float("nan")
+        print(
+            f"{method:<15} {_pct(entry['success'], entry['success_se']):>14} "
+            f"{_pct(entry['heldout_success'], entry['heldout_success_se']):>14} {steps:>8.1f} {gain:>12}"
+        )
+    summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "minutes": round((time.time() - started) / 60, 1)}
+    print(json.dumps(summary))
+
+
+def _add(row: dict[str, list], record: dict, sft: dict) -> None:
+    row["success"].append((record["train/success"], record["train/episodes"]))
+    held = [(record[f"{s}/success"], record[f"{s}/episodes"]) for s in ("heldout_instructions", "heldout_objects") if f"{s}/success" in record]
+    if held:
+        row["heldout"].append((float(np.mean([h[0] for h in held])), sum(h[1] for h in held)))
+    row["steps"].append(record.get("train/steps_to_success"))
+    row["gain"].append(record["train/success"] - sft["train/success"])
+
+
+def _mean(values: list) -> float | None:
+    vals = [v[0] if isinstance(v, tuple) else v for v in values]
+    return float(np.mean(vals)) if vals else None
+
+
+def _pooled_se(values: list[tuple[float, int]]) -> float | None:
+    """Standard error of the mean success over runs, each a binomial estimate on n episodes."""
+    if not values:
+        return None
+    var = sum(p * (1 - p) / max(n, 1) for p, n in values) / len(values) ** 2
+    return math.sqrt(var)
+
+
+def _pct(p: float | None, se: float | None) -> str:
+    return "–" if p is None else f"{100 * p:.0f} ± {100 * (se or 0):.0f}%"
+
+
+if __name__ == "__main__":
+    main()
