@@ -11,7 +11,7 @@ then branches from that same checkpoint and the same demonstrations, through the
     habc_nogate    ablation: fixed mix instead of the state-adaptive gate
     habc_nocredit  ablation: no intervention-aware credit (with the human in the loop, where it matters)
 
-(Flow-SDE PPO is not implemented yet; see the [vla-sim] issue notes.)
+    flow_ppo       Flow-SDE GRPO/PPO on the denoising steps' log-probs (the πRL-style baseline)
 
 Last line: one JSON object, one entry per method with success, heldout_success, steps_to_success and
 gain_over_sft (success points over SFT), each success with its standard error.
@@ -33,6 +33,7 @@ from kinema.train.workflow import train
 METHODS: dict[str, list[str]] = {
     "sft_continued": ["--rl.method", "sft_continued"],
     "awr": ["--rl.method", "awr"],
+    "flow_ppo": ["--rl.method", "flow_ppo"],
     "habc": ["--rl.method", "habc"],
     "habc_hil": ["--rl.method", "habc", "--rl.interventions", "true"],
     "habc_nogate": ["--rl.method", "habc", "--rl.habc.gate", "fixed_mix"],

@@ -3,7 +3,9 @@
 A policy is a callable `obs_batch -> actions`, where `obs_batch` is `{key: array (B, ...)}` plus `"task": list[str]`
 and `actions` is `(B, 7)` or a chunk `(B, H, 7)`; chunks are queued per env and executed step by step. A policy
 may define `reset(env_indices)`, called when those envs start a new episode or when a human hands control back
-(so it recomputes its chunk from the current state; wrappers flag that step with `info["handback"]`).
+(so it recomputes its chunk from the current state; wrappers flag that step with `info["handback"]`), and
+`chunk_taken(env_index, episode, step)`, called for each env that starts executing a new chunk (`episode` is
+the episode's start-order number; see `collect(serials=...)`).
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def zero_policy(obs: dict[str, Any]) -> np.ndarray:
 
 
 class _EpisodeBuffer:
-    def __init__(self, seed: int | None) -> None:
+    def __init__(self, seed: int | None, serial: int) -> None:
         self.seed = seed
+        self.serial = serial  # start order: unique even when several episodes share a seed
         self.obs: dict[str, list[np.ndarray]] = {}
         self.privileged: dict[str, list[np.ndarray]] = {}
         self.actions: list[np.ndarray] = []
@@ -124,14 +127,21 @@ def collect(
     policy_version: str = "",
     record_privileged: bool = True,
     on_episode: Callable[[Episode], None] | None = None,
+    serials: list[int] | None = None,
 ) -> list[Episode]:
-    """Run `policy` in `vector` until one episode per seed has finished; return them in completion order."""
+    """Run `policy` in `vector` until one episode per seed has finished; return them in completion order.
+
+    `serials`, if given, receives each returned episode's start-order number (the `episode` that
+    `policy.chunk_taken` was told), aligned with the returned list.
+    """
     pending = list(seeds)
     episodes: list[Episode] = []
     n = vector.num_envs
     buffers: list[_EpisodeBuffer | None] = [None] * n
     queues: list[list[np.ndarray]] = [[] for _ in range(n)]
     reset_fn = getattr(policy, "reset", None)
+    chunk_taken = getattr(policy, "chunk_taken", None)
+    started = [0]
     obs: dict[str, Any] = {}
 
     def start(i: int) -> None:
@@ -141,7 +151,8 @@ def collect(
             return
         seed = pending.pop(0)
         obs, info = vector.reset_at(i, seed)
-        buffers[i] = _EpisodeBuffer(seed)
+        buffers[i] = _EpisodeBuffer(seed, started[0])
+        started[0] += 1
         buffers[i].add_obs(obs, i, info.get("privileged", {}) if record_privileged else {})
         queues[i] = []
         if reset_fn is not None:
@@ -157,9 +168,12 @@ def collect(
                 raise ValueError(f"policy must return (B, 7) or (B, H, 7) with B={n}; got shape {out.shape}")
             if out.ndim == 2:
                 out = out[:, None]
-            for i in range(n):
-                if active[i] and not queues[i]:
-                    queues[i] = list(out[i])
+            taken = [i for i in range(n) if active[i] and not queues[i]]
+            for i in taken:
+                queues[i] = list(out[i])
+            if chunk_taken is not None:  # policies that keep per-chunk records (SDE log-probs) learn who used what
+                for i in taken:
+                    chunk_taken(i, buffers[i].serial, len(buffers[i].actions))
         actions = np.zeros((n, 7), np.float32)
         for i in np.flatnonzero(active):
             actions[i] = queues[i].pop(0)
@@ -174,6 +188,8 @@ def collect(
             if terminated[i] or truncated[i]:
                 ep = buffers[i].to_episode(task_id, policy_version, info.get("segment_labels"))
                 episodes.append(ep)
+                if serials is not None:
+                    serials.append(buffers[i].serial)
                 if on_episode is not None:
                     on_episode(ep)
                 start(i)

@@ -73,7 +73,7 @@ def test_unknown_config_keys_list_the_valid_ones(tmp_path: Path):
     bad.write_text("task: push\nsft:\n  stepz: 3\n")
     with pytest.raises(ValueError, match="unknown config key 'sft.stepz'.*bad.yaml.*valid keys here: steps"):
         load_config(str(bad))
-    with pytest.raises(ValueError, match="rl.method 'ppo' is not known; valid: habc, sft_continued, awr"):
+    with pytest.raises(ValueError, match="rl.method .ppo. is not known; valid: habc, sft_continued, awr, flow_ppo"):
         load_config(None, ["--rl.method", "ppo"])
     result = kinema("train", "--rl.roundz", "3")
     assert result.returncode == 2 and "valid keys here" in result.stderr and "Traceback" not in result.stderr

@@ -15,7 +15,7 @@ from typing import Any
 import draccus
 import yaml
 
-RL_METHODS = ("habc", "sft_continued", "awr", "none")
+RL_METHODS = ("habc", "sft_continued", "awr", "flow_ppo", "none")
 
 
 @dataclass
@@ -47,7 +47,7 @@ class HABCOptions:
 
 @dataclass
 class RLConfig:
-    method: str = "habc"  # habc | sft_continued (the control) | awr | none (SFT only)
+    method: str = "habc"  # habc | sft_continued (the control) | awr | flow_ppo (Flow-SDE GRPO) | none (SFT only)
     rounds: int = 4
     episodes_per_round: int = 48  # rollouts per round
     updates_per_round: int = 600  # actor gradient steps per round
@@ -57,6 +57,10 @@ class RLConfig:
     replay_rounds: int = 3  # rollouts of this many recent rounds are kept
     interventions: bool = False  # a simulated human monitors the policy and takes over before failures
     awr_temperature: float = 1.0  # single-critic AWR baseline: w = exp(A / temperature), clipped
+    group_size: int = 4  # flow_ppo: rollouts per seed (GRPO groups)
+    ppo_clip: float = 0.2  # flow_ppo: clip range on the ratio of mean-reduced per-step log-probs
+    ppo_noise_level: float = 0.5  # flow_ppo: Flow-SDE noise level a (σ_t = a·sqrt(t / (1 − t)))
+    ppo_epochs: int = 2
     success_model: bool = True  # refit the eVTA_0 success-probability model every round (RLER) and log calibration
     habc: HABCOptions = field(default_factory=HABCOptions)
 

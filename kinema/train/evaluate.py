@@ -17,22 +17,38 @@ EVAL_SEED_OFFSET = 1_000_000  # evaluation seeds never overlap training/demo see
 
 
 class ChunkPolicy:
-    """Adapts a VLA (or anything with `predict_action_chunk`) to sim.rollout's batched policy interface."""
+    """Adapts a VLA (or anything with `predict_action_chunk`) to sim.rollout's batched policy interface.
+
+    With `sde_noise`, chunks are sampled with Flow-SDE steps and every chunk an env executes is recorded with its
+    observation and per-step log-probs, keyed by (episode number, step): what the Flow-SDE PPO/GRPO baseline needs.
+    """
 
     def __init__(self, policy: Any, *, n_action_steps: int | None = None, sde_noise: float | None = None) -> None:
         self.policy = policy
         self.n_action_steps = n_action_steps or policy.config.n_action_steps
         self.sde_noise = sde_noise
-        self.records: list[dict[str, torch.Tensor]] = []
+        self.records: dict[tuple[int, int], dict[str, Any]] = {}
+        self._last: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
 
     @torch.no_grad()
     def __call__(self, obs: dict[str, Any]) -> np.ndarray:
         was_training = self.policy.training
         self.policy.eval()
         batch = {k: (torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v) for k, v in obs.items()}
-        chunk = self.policy.predict_action_chunk(batch)
+        if self.sde_noise is None:
+            chunk = self.policy.predict_action_chunk(batch)
+        else:
+            chunk, record = self.policy.sample_chunk_sde(batch, noise_level=self.sde_noise)
+            self._last = ({k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in batch.items()}, record)
         self.policy.train(was_training)
         return chunk[:, : self.n_action_steps].cpu().numpy()
+
+    def chunk_taken(self, env_index: int, episode: int, step: int) -> None:
+        if self._last is None:
+            return
+        batch, record = self._last
+        obs = {k: v[env_index] for k, v in batch.items()}
+        self.records[(episode, step)] = {"obs": obs, **{k: (v[env_index] if v.ndim > 1 else v) for k, v in record.items()}}
 
 
 @dataclass

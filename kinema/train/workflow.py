@@ -34,6 +34,7 @@ from kinema.train.buffer import StepBuffer
 from kinema.train.config import TrainConfig, dump_config
 from kinema.train.credit import CriticState, awr_step_weights, habc_step_weights, refit_success_model
 from kinema.train.evaluate import ChunkPolicy, EvalResult, evaluate, summarize
+from kinema.train.ppo import flow_grpo_updates
 from kinema.train.report import record_videos, write_curves, write_report
 from policies.vla import VLAConfig, VLAPolicy
 from sim.experts import ExpertConfig
@@ -150,14 +151,20 @@ def _concat_batches(parts: Sequence[dict]) -> dict:
     return {k: (sum((p[k] for p in parts), []) if k == "task" else torch.cat([p[k] for p in parts])) for k in keys}
 
 
-def rollouts(policy: VLAPolicy, cfg: TrainConfig, seeds: Sequence[int], round_index: int) -> list[Episode]:
+def rollouts(
+    policy: VLAPolicy, cfg: TrainConfig, seeds: Sequence[int], round_index: int, runner: ChunkPolicy | None = None,
+    serials: list[int] | None = None,
+) -> list[Episode]:
     kwargs: dict[str, Any] = dict(image_size=cfg.policy.image_size, config=cfg.task_config or None)
     if cfg.rl.interventions:
         kwargs.update(actor="monitored", monitor=MonitorConfig())
     num_envs = max(1, min(cfg.num_envs, len(seeds)))
     vector = make_vector(cfg.task, num_envs, num_workers=min(cfg.workers, num_envs), **kwargs)
     try:
-        return collect(vector, ChunkPolicy(policy), seeds, task_id=cfg.task, policy_version=f"round-{round_index}")
+        return collect(
+            vector, runner or ChunkPolicy(policy), seeds, task_id=cfg.task, policy_version=f"round-{round_index}",
+            serials=serials,
+        )  # fmt: skip
     finally:
         vector.close()
 
@@ -217,8 +224,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                 config=cfg.task_config or None, on_episode=lambda ep: bar.update(job, advance=1),
             )  # fmt: skip
         write_episodes(demo_dir, demos)
+    demo_success = float(np.mean([e.outcome for e in demos])) if demos else 0.0
+    demos = [ep for ep in demos if ep.outcome]  # imitate successes only
+    if not demos:
+        raise ValueError("no successful demonstration to imitate (every demo episode failed)")
     demo_buffer = StepBuffer.from_episodes(demos, cameras)
-    run.log({"kind": "demos", "episodes": len(demos), "steps": len(demo_buffer), "success": float(np.mean([e.outcome for e in demos]))})
+    run.log({"kind": "demos", "episodes": len(demos), "steps": len(demo_buffer), "success": demo_success})
 
     # 3. Policy and SFT ------------------------------------------------------------------------------------------------
     aux_dim = demo_buffer.aux.shape[1] if (demo_buffer.aux is not None and cfg.sft.aux_weight > 0) else 0
@@ -294,8 +305,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                 replay_buffer, weights = None, None
                 if method != "sft_continued":
                     bar.update(job, status=f"round {r}: rollouts")
-                    seeds = range(ROLLOUT_SEED_OFFSET + r * 1000, ROLLOUT_SEED_OFFSET + r * 1000 + cfg.rl.episodes_per_round)
-                    new = rollouts(policy, cfg, seeds, r)
+                    first = ROLLOUT_SEED_OFFSET + r * 1000
+                    runner, serials = None, []
+                    if method == "flow_ppo":  # GRPO groups: several rollouts per seed, chunks sampled with the SDE
+                        seeds = [first + j // cfg.rl.group_size for j in range(cfg.rl.episodes_per_round)]
+                        runner = ChunkPolicy(policy, sde_noise=cfg.rl.ppo_noise_level)
+                    else:
+                        seeds = list(range(first, first + cfg.rl.episodes_per_round))
+                    new = rollouts(policy, cfg, seeds, r, runner, serials)
                     write_episodes(run.root / "rollouts" / f"round-{r:03d}", new)
                     env_steps += sum(len(ep) for ep in new)
                     rollout_stats = summarize(new)
@@ -318,18 +335,28 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                         per_step, diag = awr_step_weights(
                             critics, episodes, features, temperature=cfg.rl.awr_temperature, critic_steps=cfg.rl.habc.critic_steps
                         )  # fmt: skip
+                    elif method == "flow_ppo":
+                        per_step, diag = None, {}
                     else:
                         raise ValueError(f"rl.method {method!r} has no credit rule")
-                    weights = np.concatenate(per_step)
+                    if per_step is not None:
+                        weights = np.concatenate(per_step)
+                        record["weights/nonzero_share"] = float((weights > 0).mean())
                     record.update(diag)
-                    record["weights/nonzero_share"] = float((weights > 0).mean())
-                # 4e. Actor: weighted flow matching on replay + demos.
+                # 4e. Actor: weighted flow matching on replay + demos (or PPO on the SDE log-probs for flow_ppo).
                 bar.update(job, status=f"round {r}: actor")
-                stats = actor_updates(
-                    policy, optimizer, steps=cfg.rl.updates_per_round, batch_size=cfg.rl.batch_size, demos=demo_buffer,
-                    replay=replay_buffer, replay_weights=weights, demo_fraction=cfg.rl.demo_fraction, aux_weight=0.0,
-                    rng=rng, on_step=lambda: bar.update(job, advance=1),
-                )  # fmt: skip
+                if method == "flow_ppo":
+                    stats = flow_grpo_updates(
+                        policy, optimizer, new, serials, runner.records, epochs=cfg.rl.ppo_epochs,
+                        batch_size=cfg.rl.batch_size, clip_range=cfg.rl.ppo_clip, noise_level=cfg.rl.ppo_noise_level, rng=rng,
+                    )  # fmt: skip
+                    bar.update(job, advance=cfg.rl.updates_per_round)
+                else:
+                    stats = actor_updates(
+                        policy, optimizer, steps=cfg.rl.updates_per_round, batch_size=cfg.rl.batch_size, demos=demo_buffer,
+                        replay=replay_buffer, replay_weights=weights, demo_fraction=cfg.rl.demo_fraction, aux_weight=0.0,
+                        rng=rng, on_step=lambda: bar.update(job, advance=1),
+                    )  # fmt: skip
                 actor_step += cfg.rl.updates_per_round
                 record.update(stats)
                 run.log(record)

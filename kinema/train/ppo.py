@@ -1,0 +1,90 @@
+"""The Flow-SDE policy-gradient baseline (πRL / Flow-GRPO style) for the VLA.
+
+Rollouts sample each action chunk with Flow-SDE steps and record every step's Gaussian log-prob. Episodes are
+rolled out in groups sharing a seed; the sparse outcome gives GRPO advantages within each group (groups where
+every episode ended alike carry no signal: dropped and counted). Each recorded denoising step is then a PPO
+sample: clipped ratio of its log-prob under the current model to the one at rollout time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffusion_rl.advantages import grpo_advantages
+from diffusion_rl.data import Episode
+from diffusion_rl.flow import ppo_clip_loss
+
+
+def flow_grpo_updates(
+    policy: Any,
+    optimizer: torch.optim.Optimizer,
+    episodes: Sequence[Episode],
+    serials: Sequence[int],
+    records: dict[tuple[int, int], dict[str, Any]],
+    *,
+    epochs: int,
+    batch_size: int,
+    clip_range: float,
+    noise_level: float,
+    rng: np.random.Generator,
+    on_step=None,
+) -> dict[str, float]:
+    """PPO epochs over every recorded stochastic denoising step of the episodes' chunks."""
+    # 1. GRPO advantages per episode, from the sparse outcome, within groups of episodes sharing a seed.
+    if len(serials) != len(episodes):
+        raise ValueError(f"need one serial per episode; got {len(serials)} for {len(episodes)} episodes")
+    rewards = torch.tensor([float(ep.outcome) for ep in episodes])
+    groups = torch.tensor([int(ep.seed) for ep in episodes])
+    adv = grpo_advantages(rewards, groups)
+    advantage = dict(zip(serials, adv.advantages.tolist()))
+    # 2. Every stochastic denoising step of every chunk of an informative episode is one PPO sample.
+    samples: list[tuple[dict[str, Any], int, float]] = []
+    for (serial, _step), rec in records.items():
+        a = advantage.get(serial, 0.0)
+        if a != 0.0:
+            for k in range(rec["log_prob"].shape[0] - 1):  # the last denoising step is deterministic (no log-prob)
+                samples.append((rec, k, a))
+    stats: dict[str, list[float]] = {"loss": [], "approx_kl": [], "clipfrac": []}
+    # Eval mode: the log-prob must be re-evaluated on the very inputs of the rollout (no image augmentation),
+    # so that the ratio is exactly 1 before the first update. Gradients flow all the same.
+    policy.eval()
+    for _ in range(epochs):
+        order = rng.permutation(len(samples))
+        for start in range(0, len(order), batch_size):
+            chosen = [samples[i] for i in order[start : start + batch_size]]
+            batch = _stack(chosen)
+            step = policy.sde_log_prob(batch, noise_level=noise_level)
+            loss, ppo = ppo_clip_loss(step.log_prob, batch["old_log_prob"], batch["advantage"], clip_range=clip_range)
+            optimizer.zero_grad(set_to_none=True)
+            loss.mean().backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            optimizer.step()
+            stats["loss"].append(float(loss.mean().detach()))
+            stats["approx_kl"].append(float(ppo.approx_kl))
+            stats["clipfrac"].append(float(ppo.clipfrac))
+            if on_step is not None:
+                on_step()
+    policy.train()
+    out = {f"ppo/{k}": float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
+    out["ppo/samples"] = len(samples)
+    out.update({f"grpo/{k}": float(v) for k, v in adv.stats.items()})
+    return out
+
+
+def _stack(chosen: list[tuple[dict[str, Any], int, float]]) -> dict[str, Any]:
+    obs_keys = chosen[0][0]["obs"].keys()
+    batch: dict[str, Any] = {}
+    for key in obs_keys:
+        values = [rec["obs"][key] for rec, _, _ in chosen]
+        batch[key] = values if key == "task" else torch.stack(values)
+    batch["x_t"] = torch.stack([rec["x_t"][k] for rec, k, _ in chosen])
+    batch["x_next"] = torch.stack([rec["x_next"][k] for rec, k, _ in chosen])
+    batch["t"] = torch.stack([rec["t"][k] for rec, k, _ in chosen])
+    batch["t_next"] = torch.stack([rec["t_next"][k] for rec, k, _ in chosen])
+    batch["old_log_prob"] = torch.stack([rec["log_prob"][k] for rec, k, _ in chosen])
+    batch["advantage"] = torch.tensor([a for _, _, a in chosen])
+    return batch

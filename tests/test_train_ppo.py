@@ -1,0 +1,72 @@
+"""The Flow-SDE GRPO baseline's bookkeeping: every executed chunk recorded, ratio 1 before the first update."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kinema.train.evaluate import ChunkPolicy
+from kinema.train.ppo import flow_grpo_updates
+from policies.vla import VLAConfig, VLAPolicy
+from sim.rollout import collect, make_vector
+
+torch.set_num_threads(1)
+
+
+def tiny_policy() -> VLAPolicy:
+    torch.manual_seed(0)
+    return VLAPolicy(
+        VLAConfig(
+            image_size=32, vision_channels=(8, 16, 16), vision_dim=32, text_dim=16, hidden_dim=32, expert_hidden=64,
+            expert_layers=2, state_hidden=16, chunk_size=4, n_action_steps=2, num_flow_steps=4, augment_shift=4,
+        )  # fmt: skip
+    )
+
+
+def test_every_executed_chunk_is_recorded_and_ratios_start_at_one():
+    policy = tiny_policy()
+    runner = ChunkPolicy(policy, sde_noise=0.5)
+    vector = make_vector("push", 3, image_size=32, config={"horizon": 10})
+    serials: list[int] = []
+    seeds = [0, 0, 1, 1]  # two GRPO groups
+    episodes = collect(vector, runner, seeds, task_id="push", serials=serials)
+    assert sorted(serials) == [0, 1, 2, 3] and len(episodes) == 4
+    for ep, serial in zip(episodes, serials):
+        starts = sorted(step for (s, step) in runner.records if s == serial)
+        assert starts == list(range(0, len(ep), 2))  # a new chunk every n_action_steps
+        for step in starts:
+            rec = runner.records[(serial, step)]
+            # The executed actions are the recorded chunk's first actions (clipped like the env clips them).
+            chunk = rec["x_next"][-1].clamp(-1, 1).numpy()
+            np.testing.assert_allclose(ep.action[step], chunk[0], atol=1e-5)
+            np.testing.assert_allclose(ep.observations["observation.state"][step], rec["obs"]["observation.state"].numpy())
+    # Re-evaluated under the unchanged policy, every stochastic step's ratio is exactly 1 (augmentation is off).
+    policy.eval()
+    for rec in list(runner.records.values())[:5]:
+        batch = {k: (v[None] if torch.is_tensor(v) else [v]) for k, v in rec["obs"].items()}
+        for k in range(rec["log_prob"].shape[0] - 1):
+            step = policy.sde_log_prob(
+                {**batch, "x_t": rec["x_t"][k][None], "t": rec["t"][k][None], "t_next": rec["t_next"][k][None],
+                 "x_next": rec["x_next"][k][None]},
+                noise_level=0.5,
+            )  # fmt: skip
+            torch.testing.assert_close(step.log_prob, rec["log_prob"][k][None], atol=1e-5, rtol=0)
+
+
+def test_grpo_update_uses_only_informative_groups():
+    policy = tiny_policy()
+    runner = ChunkPolicy(policy, sde_noise=0.5)
+    vector = make_vector("push", 2, image_size=32, config={"horizon": 6})
+    serials: list[int] = []
+    episodes = collect(vector, runner, [0, 0, 1, 1], task_id="push", serials=serials)
+    episodes[0].outcome = True  # make this episode's group informative; the other group stays all-failure
+    before = [p.detach().clone() for p in policy.parameters()]
+    stats = flow_grpo_updates(
+        policy, torch.optim.SGD(policy.parameters(), lr=1e-3), episodes, serials, runner.records, epochs=1,
+        batch_size=16, clip_range=0.2, noise_level=0.5, rng=np.random.default_rng(0),
+    )  # fmt: skip
+    assert stats["grpo/n_degenerate_groups"] == 1.0 and stats["grpo/n_groups"] == 2.0
+    group = {serial for ep, serial in zip(episodes, serials) if ep.seed == episodes[0].seed}
+    chunks = sum(1 for (s, _) in runner.records if s in group)
+    assert len(group) == 2 and stats["ppo/samples"] == chunks * 3  # K - 1 = 3 stochastic steps per chunk
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
