@@ -73,6 +73,15 @@ class TaskConfig:
         return dataclasses.replace(self, **changes)
 
 
+def ee_state_vector(pos: np.ndarray, mat: np.ndarray, opening: float) -> np.ndarray:
+    """`observation.state` (8,): end-effector position, quaternion wxyz, gripper opening in [0, 1]."""
+    quat = np.zeros(4)
+    mujoco.mju_mat2Quat(quat, np.asarray(mat, dtype=np.float64).reshape(-1))
+    if quat[0] < 0:  # q and -q are the same rotation; keep one sign so the policy sees a continuous input
+        quat = -quat
+    return np.concatenate([pos, quat, [opening]]).astype(np.float32)
+
+
 def validate_action(action: Any, task: str) -> np.ndarray:
     """Reject malformed actions before anything in the simulation changes; clip the rest to [-1, 1]."""
     action = np.asarray(action, dtype=np.float64)
@@ -287,11 +296,7 @@ class TabletopEnv(gym.Env):
         return self.arm.gripper_width(self.data) / (2 * FINGER_OPEN)
 
     def state_vector(self) -> np.ndarray:
-        quat = np.zeros(4)
-        mujoco.mju_mat2Quat(quat, self.data.site_xmat[self.arm.site_id])
-        if quat[0] < 0:  # q and -q are the same rotation; keep one sign so the policy sees a continuous input
-            quat = -quat
-        return np.concatenate([self.ee_pos(), quat, [self.gripper_opening()]]).astype(np.float32)
+        return ee_state_vector(self.ee_pos(), self.data.site_xmat[self.arm.site_id], self.gripper_opening())
 
     def get_state(self) -> np.ndarray:
         """Full physics state, for exact rewinds by a simulated human."""

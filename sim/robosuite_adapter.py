@@ -103,7 +103,7 @@ if not robosuite.__version__.startswith("1.5."):
         f"Install the pinned extra: {INSTALL_HINT}"
     )
 
-from sim.env import CONTROL_HZ, Instructions, validate_action  # noqa: E402
+from sim.env import CONTROL_HZ, Instructions, ee_state_vector, validate_action  # noqa: E402
 
 # kinema camera name -> robosuite camera name; any other name is passed through (frontview, birdview, sideview, ...).
 CAMERA_ALIASES: dict[str, str] = {"agentview": "agentview", "wrist": "robot0_eye_in_hand"}
@@ -429,11 +429,7 @@ class RobosuiteEnv(gym.Env):
         return float(np.clip(np.abs(self._data.qpos[self._finger_qpos]).sum() / self._finger_span, 0.0, 1.0))
 
     def state_vector(self) -> np.ndarray:
-        quat = np.zeros(4)
-        mujoco.mju_mat2Quat(quat, self.ee_mat().reshape(-1))
-        if quat[0] < 0:
-            quat = -quat
-        return np.concatenate([self.ee_pos(), quat, [self.gripper_opening()]]).astype(np.float32)
+        return ee_state_vector(self.ee_pos(), self.ee_mat(), self.gripper_opening())
 
     def get_state(self) -> np.ndarray:
         """Physics state plus the gripper's rate-controller command, for exact rewinds within an episode."""
