@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import copy
+
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -23,6 +25,7 @@ from diffusion_rl.success_model import (
     brier_score,
     expected_calibration_error,
     make_target,
+    soft_update_,
     success_model_update,
 )
 
@@ -45,13 +48,15 @@ class CriticState:
     success: SuccessHead = field(init=False)
 
     def __post_init__(self) -> None:
-        self.habc = HABCCritic(self.feature_dim, hidden_dim=256, num_layers=2, value_scale=50.0)
+        # value_scale 1: a larger scale multiplies the TD step in value space and diverged in practice.
+        self.habc = HABCCritic(self.feature_dim, hidden_dim=256, num_layers=2, value_scale=1.0)
+        self.habc_target = copy.deepcopy(self.habc).requires_grad_(False)
         self.value = nn.Sequential(nn.Linear(self.feature_dim, 256), nn.SiLU(), nn.Linear(256, 1))
         self.success = SuccessHead(self.feature_dim, hidden_dim=256, num_layers=2)
         self.success_target = make_target(self.success)
         self.success_step = 0
         self.optimizers = {
-            "habc": torch.optim.Adam(self.habc.parameters(), lr=1e-3),
+            "habc": torch.optim.Adam(self.habc.parameters(), lr=3e-4),
             "value": torch.optim.Adam(self.value.parameters(), lr=1e-3),
             "success": torch.optim.Adam(self.success.parameters(), lr=1e-3),
         }
@@ -59,6 +64,7 @@ class CriticState:
     def state_dict(self) -> dict:
         return {
             "habc": self.habc.state_dict(),
+            "habc_target": self.habc_target.state_dict(),
             "value": self.value.state_dict(),
             "success": self.success.state_dict(),
             "success_target": self.success_target.state_dict(),
@@ -68,6 +74,7 @@ class CriticState:
 
     def load_state_dict(self, state: dict) -> None:
         self.habc.load_state_dict(state["habc"])
+        self.habc_target.load_state_dict(state["habc_target"])
         self.value.load_state_dict(state["value"])
         self.success.load_state_dict(state["success"])
         self.success_target.load_state_dict(state["success_target"])
@@ -89,11 +96,12 @@ def habc_step_weights(
     batch = collate_episodes(episodes, intervention_aware=config.intervention_credit)
     feats = pad_features(features, batch.max_len)
     opt = critics.optimizers["habc"]
-    for _ in range(critic_steps):
-        result = habc_step(critics.habc, feats, batch, step=actor_step, config=config)
+    for i in range(critic_steps):
+        result = habc_step(critics.habc, feats, batch, step=actor_step, config=config, target=critics.habc_target)
         opt.zero_grad()
         result.critic_loss.backward()
         opt.step()
+        soft_update_(critics.habc_target, critics.habc, tau=0.05)
     with torch.no_grad():
         result = habc_step(critics.habc, feats, batch, step=actor_step, config=config)
     weights = result.weights.clamp(min=0).numpy()

@@ -14,6 +14,7 @@ Every method (SFT only, continued SFT, AWR, HABC and its ablations) runs through
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -73,19 +74,36 @@ class Run:
         os.replace(tmp, self.root / STATE_FILE)
 
 
-def save_checkpoint(run: Run, name: str, policy: VLAPolicy, optimizer: torch.optim.Optimizer, critics: CriticState, state: dict) -> Path:
-    """Policy weights + config (loadable by `VLAPolicy.from_pretrained`) and the trainer state for --resume."""
+def save_checkpoint(
+    run: Run, name: str, acting: VLAPolicy, online: VLAPolicy, optimizer: torch.optim.Optimizer, critics: CriticState, state: dict
+) -> Path:
+    """The acting (EMA) policy as the checkpoint (`VLAPolicy.from_pretrained`), plus what --resume needs:
+    the online weights, the optimiser and the critics."""
     trainer = io.BytesIO()
-    torch.save({"optimizer": optimizer.state_dict(), "critics": critics.state_dict(), "state": state}, trainer)
+    torch.save(
+        {"online": online.state_dict(), "optimizer": optimizer.state_dict(), "critics": critics.state_dict(), "state": state},
+        trainer,
+    )
     path = run.root / "checkpoints" / name
-    policy.save_pretrained(str(path), extra_files={"trainer.pt": trainer.getvalue()})
+    acting.save_pretrained(str(path), extra_files={"trainer.pt": trainer.getvalue()})
     return path
 
 
-def load_trainer(path: Path, optimizer: torch.optim.Optimizer, critics: CriticState) -> None:
+def load_trainer(path: Path, online: VLAPolicy, optimizer: torch.optim.Optimizer, critics: CriticState) -> None:
     trainer = torch.load(path / "trainer.pt", weights_only=False)
+    online.load_state_dict(trainer["online"])
     optimizer.load_state_dict(trainer["optimizer"])
     critics.load_state_dict(trainer["critics"])
+
+
+@torch.no_grad()
+def ema_update(ema: VLAPolicy, online: VLAPolicy, decay: float) -> None:
+    """Exponential moving average of the weights: the policy that acts. Flow policies trained on small data
+    swing widely between nearby checkpoints; the average does not."""
+    for e, o in zip(ema.parameters(), online.parameters()):
+        e.lerp_(o, 1.0 - decay)
+    for e, o in zip(ema.buffers(), online.buffers()):
+        e.copy_(o)
 
 
 def policy_features(policy: VLAPolicy, buffer: StepBuffer, batch_size: int = 256) -> torch.Tensor:
@@ -243,11 +261,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     critics = CriticState(vla_config.hidden_dim)
     env_steps, actor_step, start_round = 0, 0, 1
     latest = state.get("latest_checkpoint")
+    # `policy` trains; `acting` (its EMA, or itself when the decay is 0) collects rollouts, is evaluated and saved.
+    # Flow-SDE PPO must act with the very weights it updates, so it keeps no average.
+    decay = 0.0 if cfg.rl.method == "flow_ppo" else cfg.policy.ema_decay
 
     if latest:
-        policy = VLAPolicy.from_pretrained(str(run.root / latest))
+        acting = VLAPolicy.from_pretrained(str(run.root / latest))
+        policy = VLAPolicy(acting.config)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=cfg.sft.weight_decay)
-        load_trainer(run.root / latest, optimizer, critics)
+        load_trainer(run.root / latest, policy, optimizer, critics)
+        if not decay:
+            acting = policy
         env_steps, actor_step, start_round = state["env_steps"], state["actor_step"], state["round"] + 1
         console.print(f"resumed {run.root} after {latest} (round {state['round']})")
     else:
@@ -257,13 +281,19 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
             sft_steps = 0
         else:
             sft_steps = cfg.sft.steps
+        acting = copy.deepcopy(policy).requires_grad_(False) if decay else policy
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(sft_steps, 1), eta_min=cfg.rl.lr)
         with progress_bar(console) as bar:
             job = bar.add_task("SFT", total=sft_steps, status="")
 
+            done = [0]
+
             def sft_step() -> None:
                 schedule.step()
+                done[0] += 1
+                if decay:  # warm-up of the average: early weights are noise, do not let them linger
+                    ema_update(acting, policy, min(decay, (1 + done[0]) / (10 + done[0])))
                 bar.update(job, advance=1)
 
             stats = actor_updates(
@@ -276,12 +306,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
             group["lr"] = cfg.rl.lr
         if cfg.eval.baseline:
             with console.status("evaluating the SFT baseline"):
-                results = evaluate_all(policy, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout)
+                results = evaluate_all(acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout)
             run.log(_eval_record("sft", results, env_steps, 0))
             _print_eval(console, "SFT", results)
-            record_videos(policy, cfg, run.root / "videos", "before")
+            record_videos(acting, cfg, run.root / "videos", "before")
         state = {"round": 0, "env_steps": 0, "actor_step": 0, "latest_checkpoint": "checkpoints/sft"}
-        save_checkpoint(run, "sft", policy, optimizer, critics, state)
+        save_checkpoint(run, "sft", acting, policy, optimizer, critics, state)
         run.save_state(state)
 
     # 4. RL rounds -----------------------------------------------------------------------------------------------------
@@ -309,10 +339,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     runner, serials = None, []
                     if method == "flow_ppo":  # GRPO groups: several rollouts per seed, chunks sampled with the SDE
                         seeds = [first + j // cfg.rl.group_size for j in range(cfg.rl.episodes_per_round)]
-                        runner = ChunkPolicy(policy, sde_noise=cfg.rl.ppo_noise_level)
+                        runner = ChunkPolicy(acting, sde_noise=cfg.rl.ppo_noise_level)
                     else:
                         seeds = list(range(first, first + cfg.rl.episodes_per_round))
-                    new = rollouts(policy, cfg, seeds, r, runner, serials)
+                    new = rollouts(acting, cfg, seeds, r, runner, serials)
                     write_episodes(run.root / "rollouts" / f"round-{r:03d}", new)
                     env_steps += sum(len(ep) for ep in new)
                     rollout_stats = summarize(new)
@@ -320,7 +350,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     replay = (replay + [new])[-cfg.rl.replay_rounds :]
                     episodes = [ep for round_eps in replay for ep in round_eps]
                     replay_buffer = StepBuffer.from_episodes(episodes, cameras)
-                    features = split_per_episode(policy_features(policy, replay_buffer), replay_buffer)
+                    features = split_per_episode(policy_features(acting, replay_buffer), replay_buffer)
                     # 4b. RLER: calibration of the success model on fresh rollouts, then refit.
                     if cfg.rl.success_model:
                         new_feats = features[-len(new) :]
@@ -355,32 +385,32 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     stats = actor_updates(
                         policy, optimizer, steps=cfg.rl.updates_per_round, batch_size=cfg.rl.batch_size, demos=demo_buffer,
                         replay=replay_buffer, replay_weights=weights, demo_fraction=cfg.rl.demo_fraction, aux_weight=0.0,
-                        rng=rng, on_step=lambda: bar.update(job, advance=1),
+                        rng=rng, on_step=lambda: (ema_update(acting, policy, decay) if decay else None, bar.update(job, advance=1)),
                     )  # fmt: skip
                 actor_step += cfg.rl.updates_per_round
                 record.update(stats)
                 run.log(record)
                 # 4f. Evaluate and checkpoint.
                 bar.update(job, status=f"round {r}: evaluating")
-                results = evaluate_all(policy, cfg, cfg.eval.round_episodes, heldout=False)
+                results = evaluate_all(acting, cfg, cfg.eval.round_episodes, heldout=False)
                 run.log(_eval_record("round", results, env_steps, r))
                 bar.update(job, status=f"round {r}: success {results['train'].success:.0%}")
                 state = {"round": r, "env_steps": env_steps, "actor_step": actor_step, "latest_checkpoint": f"checkpoints/round-{r:03d}"}
-                save_checkpoint(run, f"round-{r:03d}", policy, optimizer, critics, state)
+                save_checkpoint(run, f"round-{r:03d}", acting, policy, optimizer, critics, state)
                 run.save_state(state)
     except KeyboardInterrupt:
-        path = save_checkpoint(run, "interrupted", policy, optimizer, critics, state)
+        path = save_checkpoint(run, "interrupted", acting, policy, optimizer, critics, state)
         console.print(f"[yellow]interrupted: the policy so far is in {path}; continue with `kinema train --resume {run.root}`")
         raise
 
     # 5. Final evaluation and report ------------------------------------------------------------------------------------
     if rounds and not state.get("final_done"):
         with console.status("final evaluation"):
-            results = evaluate_all(policy, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout)
+            results = evaluate_all(acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout)
         run.log(_eval_record("final", results, env_steps, rounds))
         _print_eval(console, f"after RL ({method})", results)
-        record_videos(policy, cfg, run.root / "videos", "after")
-        policy.save_pretrained(str(run.root / "checkpoints" / "final"))
+        record_videos(acting, cfg, run.root / "videos", "after")
+        acting.save_pretrained(str(run.root / "checkpoints" / "final"))
         state["final_done"] = True
         run.save_state(state)
     write_curves(run.records(), run.root / "curves.png")
