@@ -14,6 +14,7 @@ Every method (SFT only, continued SFT, AWR, HABC and its ablations) runs through
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -242,6 +243,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                 config=cfg.task_config or None, on_episode=lambda ep: bar.update(job, advance=1),
             )  # fmt: skip
         write_episodes(demo_dir, demos)
+        demos = read_episodes(demo_dir)  # train on what is on disk, exactly as a resumed or branched run will
     demo_success = float(np.mean([e.outcome for e in demos])) if demos else 0.0
     demos = [ep for ep in demos if ep.outcome]  # imitate successes only
     if not demos:
@@ -284,7 +286,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         acting = copy.deepcopy(policy).requires_grad_(False) if decay else policy
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(sft_steps, 1), eta_min=cfg.rl.lr)
-        with progress_bar(console) as bar:
+        with progress_bar(console) as bar, _interrupt_note(console, "SFT", run.root):
             job = bar.add_task("SFT", total=sft_steps, status="")
 
             done = [0]
@@ -417,6 +419,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     write_report(cfg, run.records(), run.root)
     console.print(f"report: {run.root / 'report.md'}")
     return run.root
+
+
+@contextlib.contextmanager
+def _interrupt_note(console: Console, stage: str, root: Path):
+    """Ctrl-C before the first checkpoint: say plainly that there is nothing to resume yet."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted during {stage}, before the first checkpoint: nothing in {root} to resume yet")
+        raise
 
 
 def _print_eval(console: Console, label: str, results: dict[str, EvalResult]) -> None:
