@@ -73,7 +73,7 @@ def write_curves(records: list[dict[str, Any]], path: Path) -> Path:
         x, y = zip(*pts)
         ax.plot(x, 100 * np.array(y), marker="o", label="rollout success")
     pts = [(r["env_steps"], r["rollout/takeover_rate"]) for r in rounds if r.get("rollout/takeover_rate") is not None]
-    if pts:
+    if pts and any(y for _, y in pts):  # only runs with the simulated human have takeovers to show
         ax2 = ax.twinx()
         x, y = zip(*pts)
         ax2.plot(x, y, marker="s", color="tab:red", label="takeovers / episode")
