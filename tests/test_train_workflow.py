@@ -58,6 +58,18 @@ def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
     policy = VLAPolicy.from_pretrained(str(run / "checkpoints" / "round-002"))
     assert policy.config.image_size == 32 and policy.config.extra["tasks"] == ["drawer"]
 
+    # `kinema eval` on a task the checkpoint never saw: allowed, and said so in the output and the report.
+    out = tmp_path / "eval"
+    result = kinema(
+        "eval", "--policy", str(run / "checkpoints" / "round-002"), "--task", "push", "--episodes", "2",
+        "--splits", "train", "--workers", "0", "--videos", "0", "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained on ['drawer'], not on 'push'" in result.stderr
+    report = json.loads((out / "eval.json").read_text())
+    assert report["results"]["train"]["episodes"] == 2 and report["seen_tasks"] == ["drawer"]
+    assert "unseen" in (out / "report.md").read_text()
+
 
 def test_fresh_train_refuses_an_existing_run(tmp_path: Path):
     (tmp_path / "state.json").write_text("{}")
