@@ -73,6 +73,17 @@ class TaskConfig:
         return dataclasses.replace(self, **changes)
 
 
+def policy_spaces(cameras: tuple[str, ...], image_hw: tuple[int, int]) -> tuple[gym.spaces.Dict, gym.spaces.Box]:
+    """The observation and action spaces every kinema task shares (ours and adapted ones)."""
+    h, w = image_hw
+    spaces: dict[str, gym.Space] = {
+        f"observation.images.{cam}": gym.spaces.Box(0, 255, (h, w, 3), np.uint8) for cam in cameras
+    }
+    spaces["observation.state"] = gym.spaces.Box(-np.inf, np.inf, (8,), np.float32)
+    spaces["task"] = gym.spaces.Text(max_length=256, charset=string.printable)
+    return gym.spaces.Dict(spaces), gym.spaces.Box(-1.0, 1.0, (7,), np.float32)
+
+
 def ee_state_vector(pos: np.ndarray, mat: np.ndarray, opening: float) -> np.ndarray:
     """`observation.state` (8,): end-effector position, quaternion wxyz, gripper opening in [0, 1]."""
     quat = np.zeros(4)
@@ -208,14 +219,7 @@ class TabletopEnv(gym.Env):
         self.steps = 0
         self.bind()
 
-        h, w = self.image_hw
-        spaces: dict[str, gym.Space] = {
-            f"observation.images.{cam}": gym.spaces.Box(0, 255, (h, w, 3), np.uint8) for cam in self.cameras
-        }
-        spaces["observation.state"] = gym.spaces.Box(-np.inf, np.inf, (8,), np.float32)
-        spaces["task"] = gym.spaces.Text(max_length=256, charset=string.printable)
-        self.observation_space = gym.spaces.Dict(spaces)
-        self.action_space = gym.spaces.Box(-1.0, 1.0, (7,), np.float32)
+        self.observation_space, self.action_space = policy_spaces(self.cameras, self.image_hw)
 
     # ----- what a task defines -------------------------------------------------------------------------------------
     @classmethod

@@ -46,7 +46,6 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 import contextlib
 import difflib
 import logging
-import string
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -103,7 +102,7 @@ if not robosuite.__version__.startswith("1.5."):
         f"Install the pinned extra: {INSTALL_HINT}"
     )
 
-from sim.env import CONTROL_HZ, Instructions, ee_state_vector, validate_action  # noqa: E402
+from sim.env import CONTROL_HZ, Instructions, ee_state_vector, policy_spaces, validate_action  # noqa: E402
 
 # kinema camera name -> robosuite camera name; any other name is passed through (frontview, birdview, sideview, ...).
 CAMERA_ALIASES: dict[str, str] = {"agentview": "agentview", "wrist": "robot0_eye_in_hand"}
@@ -302,13 +301,7 @@ class RobosuiteEnv(gym.Env):
         self._target_body = -1 if self.task_spec.target == "handle" else self._model.body(self.task_spec.target).id
         self._configure_rendering(shadows=shadows, antialias=antialias)
 
-        spaces: dict[str, gym.Space] = {
-            f"observation.images.{cam}": gym.spaces.Box(0, 255, (h, w, 3), np.uint8) for cam in self.cameras
-        }
-        spaces["observation.state"] = gym.spaces.Box(-np.inf, np.inf, (8,), np.float32)
-        spaces["task"] = gym.spaces.Text(max_length=256, charset=string.printable)
-        self.observation_space = gym.spaces.Dict(spaces)
-        self.action_space = gym.spaces.Box(-1.0, 1.0, (7,), np.float32)
+        self.observation_space, self.action_space = policy_spaces(self.cameras, (h, w))
         self.task = ""
         self.steps = 0
         self._rs_obs: dict[str, Any] = {}
