@@ -48,7 +48,7 @@ class HABCOptions:
 @dataclass
 class RLConfig:
     method: str = "habc"  # habc | sft_continued (the control) | awr | flow_ppo (Flow-SDE GRPO) | none (SFT only)
-    rounds: int = 5
+    rounds: int = 4
     episodes_per_round: int = 48  # rollouts per round
     updates_per_round: int = 600  # actor gradient steps per round
     batch_size: int = 64
