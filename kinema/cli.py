@@ -48,11 +48,15 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_commands(sub: argparse._SubParsersAction) -> None:
+    from kinema.train.config import config_keys_help
+
     train = sub.add_parser(
         "train",
         help="demos -> SFT -> online RL of the VLA in simulation, with evaluation and a report",
         description="Train the VLA: scripted demonstrations, SFT, then RL rounds (HABC by default). "
         "Any config key can be overridden as --key.sub value (e.g. --rl.rounds 3 --task stack).",
+        epilog=config_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", default=None, help="YAML config (see assets/configs/); defaults are the embedded config")
     train.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")

@@ -42,7 +42,7 @@ class HABCOptions:
     intervention_reweighting: bool = False  # human steps weighted by g instead of 1
     warmup_rounds: int = 0  # rounds with g = 1 (critics still train)
     critic_steps: int = 400  # critic gradient steps per round
-    critic_lr: float = 1e-3
+    critic_lr: float = 3e-4  # HABC critic learning rate (with a soft-updated target critic for the TD head)
 
 
 @dataclass
@@ -163,6 +163,18 @@ def load_config(config_path: str | None = None, overrides: list[str] | None = No
         if isinstance(cause, ValueError):
             raise ValueError(str(cause)) from None
         raise ValueError(f"invalid config: {err}") from None
+
+
+def config_keys_help() -> str:
+    """Every dotted config key with its default, for `kinema train --help`."""
+    lines = ["config keys (defaults):"]
+    for prefix, names in _valid_keys(TrainConfig).items():
+        obj: Any = TrainConfig()
+        for part in filter(None, prefix.split(".")):
+            obj = getattr(obj, part)
+        values = [f"{prefix}{n}={getattr(obj, n)!r}" for n in names if not dataclasses.is_dataclass(getattr(obj, n))]
+        lines.append("  " + "  ".join(values))
+    return "\n".join(lines)
 
 
 def dump_config(config: TrainConfig) -> str:

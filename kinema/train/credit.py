@@ -43,6 +43,7 @@ class CriticState:
     """Critics that persist across rounds (and checkpoints)."""
 
     feature_dim: int
+    critic_lr: float = 3e-4
     habc: HABCCritic = field(init=False)
     value: nn.Module = field(init=False)
     success: SuccessHead = field(init=False)
@@ -56,7 +57,7 @@ class CriticState:
         self.success_target = make_target(self.success)
         self.success_step = 0
         self.optimizers = {
-            "habc": torch.optim.Adam(self.habc.parameters(), lr=3e-4),
+            "habc": torch.optim.Adam(self.habc.parameters(), lr=self.critic_lr),
             "value": torch.optim.Adam(self.value.parameters(), lr=1e-3),
             "success": torch.optim.Adam(self.success.parameters(), lr=1e-3),
         }

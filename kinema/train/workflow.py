@@ -260,7 +260,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     )  # fmt: skip
     policy = VLAPolicy(vla_config)
     policy.set_normalization(demo_buffer.stats())
-    critics = CriticState(vla_config.hidden_dim)
+    critics = CriticState(vla_config.hidden_dim, critic_lr=cfg.rl.habc.critic_lr)
     env_steps, actor_step, start_round = 0, 0, 1
     latest = state.get("latest_checkpoint")
     # `policy` trains; `acting` (its EMA, or itself when the decay is 0) collects rollouts, is evaluated and saved.
