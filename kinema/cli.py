@@ -58,7 +58,7 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
         epilog=config_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("--config", default=None, help="YAML config (see assets/configs/); defaults are the embedded config")
+    train.add_argument("--config", default=None, help="YAML config: a path, or a shipped name (drawer_habc, ...); default: the embedded config")
     train.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
 
     ev = sub.add_parser("eval", help="evaluate a policy checkpoint in simulation and write a report")

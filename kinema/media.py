@@ -1,4 +1,4 @@
-"""Things a person looks at: MP4 videos and frame grids. Written atomically, so a crash leaves no broken file."""
+"""Things a person looks at: MP4 videos. Written atomically, so a crash leaves no broken file."""
 
 from __future__ import annotations
 
@@ -47,11 +47,3 @@ def read_mp4(path: str | Path) -> np.ndarray:
     with av.open(str(path)) as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
-
-def tile(frames: Sequence[np.ndarray], columns: int) -> np.ndarray:
-    """Lay equally sized images (H, W, 3) out in a grid with `columns` columns."""
-    frames = list(frames)
-    rows = -(-len(frames) // columns)
-    blank = np.zeros_like(frames[0])
-    frames += [blank] * (rows * columns - len(frames))
-    return np.concatenate([np.concatenate(frames[r * columns : (r + 1) * columns], axis=1) for r in range(rows)], axis=0)

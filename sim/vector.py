@@ -62,9 +62,6 @@ class InProcessVector:
             self._store(i, obs)
         return self.obs, rewards, terminated, truncated, infos
 
-    def call(self, i: int, method: str, *args: Any) -> Any:
-        return getattr(self.envs[i], method)(*args)
-
     def close(self) -> None:
         for env in self.envs:
             env.close()
@@ -106,8 +103,7 @@ def _worker(conn: Any, env_fns: list[EnvFn], shm_specs: dict[str, tuple[str, tup
                         obs, reward, terminated, truncated, info = env.step(actions[j])
                         reply.append((store(j, obs), reward, terminated, truncated, info))
                 else:
-                    j, method, args = payload
-                    reply = getattr(envs[j], method)(*args)
+                    raise ValueError(f"unknown worker command {cmd!r}")
                 conn.send(("ok", reply))
             except Exception as err:  # noqa: BLE001 - sent back and re-raised in the parent, with its type
                 conn.send(("error", (type(err), str(err), traceback.format_exc())))
@@ -211,11 +207,6 @@ class ProcessVector:
                 small, rewards[i], terminated[i], truncated[i], infos[i] = result
                 self._store_small(int(i), small)
         return self.obs, rewards, terminated, truncated, infos
-
-    def call(self, i: int, method: str, *args: Any) -> Any:
-        w, j = self.owner[i]
-        self.conns[w].send(("call", (j, method, args)))
-        return self._recv(w)
 
     def close(self) -> None:
         if not self._shms:

@@ -97,3 +97,10 @@ def test_config_files_in_assets_load():
     for path in configs:
         cfg = load_config(str(path))
         assert cfg.rl.rounds >= 0 and np.isfinite(cfg.sft.lr)
+
+
+def test_shipped_configs_load_by_name():
+    cfg = load_config("drawer_habc_hil")
+    assert cfg.rl.interventions and cfg.task == "drawer"
+    with pytest.raises(FileNotFoundError, match="shipped configs: drawer_habc, drawer_habc_hil"):
+        load_config("drawer_hbc")

@@ -15,6 +15,8 @@ from typing import Any
 import draccus
 import yaml
 
+from kinema.paths import assets_dir
+
 RL_METHODS = ("habc", "sft_continued", "awr", "flow_ppo", "none")
 
 
@@ -138,13 +140,26 @@ def _check_keys(data: Any, valid: dict[str, list[str]], prefix: str = "", source
             _check_keys(value, valid, f"{prefix}{key}.", source)
 
 
+def resolve_config_path(name: str) -> Path:
+    """A config file by path, or by name among the shipped ones (`drawer_habc` = assets/configs/drawer_habc.yaml),
+    which also works from an installed wheel."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = assets_dir() / "configs"
+    for candidate in (shipped / path.name, shipped / f"{path.name}.yaml"):
+        if candidate.is_file():
+            return candidate
+    names = sorted(p.stem for p in shipped.glob("*.yaml"))
+    raise FileNotFoundError(f"config file {name} does not exist; shipped configs: {', '.join(names)}")
+
+
 def load_config(config_path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """TrainConfig from an optional YAML file plus `--a.b value` / `--a.b=value` overrides."""
     valid = _valid_keys(TrainConfig)
     if config_path:
-        path = Path(config_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist (configs ship in assets/configs/)")
+        path = resolve_config_path(config_path)
+        config_path = str(path)
         _check_keys(yaml.safe_load(path.read_text()) or {}, valid, "", f" in {path}")
     for arg in overrides or []:
         if arg.startswith("--"):
