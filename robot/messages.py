@@ -1,0 +1,209 @@
+"""The ROS 2 messages kinema speaks, as plain dataclasses over numpy.
+
+Policy-side code builds and reads these; a transport converts them to and from its own message classes
+(rclpy's, or the DDS wire types in `robot.transport.dds`). Fields follow the upstream `.msg` definitions, in the
+same order, so that the conversion is mechanical. Array fields are numpy arrays of the upstream element type;
+image payloads are `bytes`, never lists of ints (a list costs ~20 ms per 640x480 frame).
+"""
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+# Note: no `from __future__ import annotations` here: the DDS backend derives its wire types from these
+# annotations, and IdlStruct declarations break under postponed evaluation.
+
+
+def _f64(values) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+
+
+@dataclass
+class Time:
+    """builtin_interfaces/Time."""
+
+    ros_type: ClassVar[str] = "builtin_interfaces/msg/Time"
+    sec: int = 0
+    nanosec: int = 0
+
+    @classmethod
+    def from_sec(cls, seconds: float) -> "Time":
+        ns = int(round(seconds * 1e9))
+        return cls(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+
+    def to_sec(self) -> float:
+        return self.sec + self.nanosec * 1e-9
+
+
+@dataclass
+class Duration:
+    """builtin_interfaces/Duration."""
+
+    ros_type: ClassVar[str] = "builtin_interfaces/msg/Duration"
+    sec: int = 0
+    nanosec: int = 0
+
+    @classmethod
+    def from_sec(cls, seconds: float) -> "Duration":
+        ns = int(round(seconds * 1e9))
+        return cls(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+
+    def to_sec(self) -> float:
+        return self.sec + self.nanosec * 1e-9
+
+
+@dataclass
+class Header:
+    """std_msgs/Header."""
+
+    ros_type: ClassVar[str] = "std_msgs/msg/Header"
+    stamp: Time = field(default_factory=Time)
+    frame_id: str = ""
+
+
+@dataclass
+class Bool:
+    ros_type: ClassVar[str] = "std_msgs/msg/Bool"
+    data: bool = False
+
+
+@dataclass
+class String:
+    ros_type: ClassVar[str] = "std_msgs/msg/String"
+    data: str = ""
+
+
+@dataclass
+class MultiArrayDimension:
+    ros_type: ClassVar[str] = "std_msgs/msg/MultiArrayDimension"
+    label: str = ""
+    size: int = 0
+    stride: int = 0
+
+
+@dataclass
+class MultiArrayLayout:
+    ros_type: ClassVar[str] = "std_msgs/msg/MultiArrayLayout"
+    dim: list[MultiArrayDimension] = field(default_factory=list)
+    data_offset: int = 0
+
+
+@dataclass
+class Float64MultiArray:
+    """std_msgs/Float64MultiArray: what ros2_control's forward_position_controller takes on `/…/commands`."""
+
+    ros_type: ClassVar[str] = "std_msgs/msg/Float64MultiArray"
+    layout: MultiArrayLayout = field(default_factory=MultiArrayLayout)
+    data: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+    def __post_init__(self):
+        self.data = _f64(self.data)
+
+
+@dataclass
+class JointState:
+    """sensor_msgs/JointState. Joints are matched by `name`, never by index."""
+
+    ros_type: ClassVar[str] = "sensor_msgs/msg/JointState"
+    header: Header = field(default_factory=Header)
+    name: list[str] = field(default_factory=list)
+    position: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    velocity: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    effort: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+    def __post_init__(self):
+        self.name = list(self.name)
+        self.position, self.velocity, self.effort = _f64(self.position), _f64(self.velocity), _f64(self.effort)
+
+
+@dataclass
+class Image:
+    """sensor_msgs/Image. `data` is the raw row-major payload as bytes."""
+
+    ros_type: ClassVar[str] = "sensor_msgs/msg/Image"
+    header: Header = field(default_factory=Header)
+    height: int = 0
+    width: int = 0
+    encoding: str = ""
+    is_bigendian: int = 0
+    step: int = 0
+    data: bytes = b""
+
+    @classmethod
+    def from_array(cls, rgb: np.ndarray, header: Header | None = None) -> "Image":
+        """An (H, W, 3) uint8 RGB array as an `rgb8` image."""
+        rgb = np.ascontiguousarray(rgb)
+        if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+            raise ValueError(f"Image.from_array expects an (H, W, 3) uint8 array, got {rgb.dtype} {rgb.shape}")
+        h, w, _ = rgb.shape
+        return cls(header=header or Header(), height=h, width=w, encoding="rgb8", step=3 * w, data=rgb.tobytes())
+
+    def to_array(self) -> np.ndarray:
+        """The image as an (H, W, 3) uint8 RGB array; `rgb8` and `bgr8` are understood."""
+        if self.encoding not in ("rgb8", "bgr8"):
+            raise ValueError(f"unsupported image encoding {self.encoding!r}; expected 'rgb8' or 'bgr8'")
+        expected = self.height * self.step
+        if self.step < 3 * self.width or len(self.data) != expected:
+            raise ValueError(
+                f"image payload of {len(self.data)} bytes does not match height={self.height}, "
+                f"width={self.width}, step={self.step} (expected {expected} bytes, step >= {3 * self.width})"
+            )
+        rows = np.frombuffer(self.data, np.uint8).reshape(self.height, self.step)
+        rgb = rows[:, : 3 * self.width].reshape(self.height, self.width, 3)
+        return rgb[..., ::-1].copy() if self.encoding == "bgr8" else rgb.copy()
+
+
+@dataclass
+class CompressedImage:
+    """sensor_msgs/CompressedImage; `format` is e.g. "jpeg" or "png"."""
+
+    ros_type: ClassVar[str] = "sensor_msgs/msg/CompressedImage"
+    header: Header = field(default_factory=Header)
+    format: str = ""
+    data: bytes = b""
+
+
+@dataclass
+class Joy:
+    ros_type: ClassVar[str] = "sensor_msgs/msg/Joy"
+    header: Header = field(default_factory=Header)
+    axes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    buttons: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+    def __post_init__(self):
+        self.axes = np.ascontiguousarray(self.axes, dtype=np.float32).reshape(-1)
+        self.buttons = np.ascontiguousarray(self.buttons, dtype=np.int32).reshape(-1)
+
+
+@dataclass
+class JointTrajectoryPoint:
+    ros_type: ClassVar[str] = "trajectory_msgs/msg/JointTrajectoryPoint"
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    velocities: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    accelerations: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    effort: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    time_from_start: Duration = field(default_factory=Duration)
+
+    def __post_init__(self):
+        self.positions, self.velocities = _f64(self.positions), _f64(self.velocities)
+        self.accelerations, self.effort = _f64(self.accelerations), _f64(self.effort)
+
+
+@dataclass
+class JointTrajectory:
+    """trajectory_msgs/JointTrajectory: what JointTrajectoryController takes on `/…/joint_trajectory`."""
+
+    ros_type: ClassVar[str] = "trajectory_msgs/msg/JointTrajectory"
+    header: Header = field(default_factory=Header)
+    joint_names: list[str] = field(default_factory=list)
+    points: list[JointTrajectoryPoint] = field(default_factory=list)
+
+
+MESSAGE_TYPES: dict[str, type] = {
+    cls.ros_type: cls
+    for cls in (
+        Time, Duration, Header, Bool, String, MultiArrayDimension, MultiArrayLayout, Float64MultiArray,
+        JointState, Image, CompressedImage, Joy, JointTrajectoryPoint, JointTrajectory,
+    )
+}

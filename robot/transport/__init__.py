@@ -1,0 +1,47 @@
+"""Transports: `make_transport("auto" | "rclpy" | "dds" | "inproc")`. See `robot.transport.base`."""
+
+from __future__ import annotations
+
+import os
+
+from robot.transport.base import QOS_DEFAULT, QOS_LATCHED, QOS_SENSOR, Publisher, QoS, Subscription, Transport
+
+BACKENDS = ("auto", "rclpy", "dds", "inproc")
+
+
+def rclpy_available() -> bool:
+    try:
+        import rclpy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_transport(backend: str = "auto", *, node_name: str = "kinema", domain_id: int | None = None, **kwargs) -> Transport:
+    """Connect a node to the graph. `auto` is rclpy where ROS 2 is installed, DDS otherwise.
+
+    `domain_id` defaults to `ROS_DOMAIN_ID` (0 when unset), as in ROS 2.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown transport backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if domain_id is None:
+        domain_id = int(os.environ.get("ROS_DOMAIN_ID", "0") or 0)
+    if backend == "auto":
+        backend = "rclpy" if rclpy_available() else "dds"
+    if backend == "inproc":
+        from robot.transport.inproc import InprocTransport
+
+        return InprocTransport(domain_id=domain_id, **kwargs)
+    if backend == "dds":
+        from robot.transport.dds import DDSTransport
+
+        return DDSTransport(domain_id=domain_id, node_name=node_name, **kwargs)
+    from robot.transport.rclpy_backend import RclpyTransport
+
+    return RclpyTransport(domain_id=domain_id, node_name=node_name, **kwargs)
+
+
+__all__ = [
+    "BACKENDS", "QOS_DEFAULT", "QOS_LATCHED", "QOS_SENSOR", "Publisher", "QoS", "Subscription", "Transport",
+    "make_transport", "rclpy_available",
+]
