@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import tempfile
 import time
 
 import numpy as np
@@ -25,11 +26,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--backbone-path", default="", help="a local SmolVLM/Idefics3 folder; 'tiny-random' writes a tiny one")
+    parser.add_argument("--backbone-image-size", type=int, default=0, help="vision side for the smolvlm backbone (0: native)")
+    parser.add_argument("--backbone-layers", type=int, default=0, help="text layers run by the smolvlm backbone (0: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     repeats = 30 if args.quick else 200
 
     config = VLAConfig(aux_dim=15)
+    if args.backbone_path:
+        path = args.backbone_path
+        if path == "tiny-random":
+            from policies.vla.smolvlm import write_tiny_idefics3
+
+            path = write_tiny_idefics3(tempfile.mkdtemp(prefix="tiny-idefics3-"))
+        config = VLAConfig(
+            aux_dim=15, backbone="smolvlm", backbone_path=path, backbone_image_size=args.backbone_image_size,
+            backbone_layers=args.backbone_layers,
+        )
     policy = VLAPolicy(config).eval()
     env = make("drawer", image_size=config.image_size)
     obs, _ = env.reset(seed=0)
@@ -54,6 +68,7 @@ def main() -> None:
             {
                 "benchmark": "vla_latency",
                 "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)",
+                "backbone": config.backbone if config.backbone == "tiny" else f"smolvlm:{config.backbone_path}",
                 "parameters_m": round(sum(p.numel() for p in policy.parameters()) / 1e6, 2),
                 "latency_ms_median": round(float(np.median(latency)), 2),
                 "latency_ms_p99": round(float(np.percentile(latency, 99)), 2),

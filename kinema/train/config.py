@@ -82,7 +82,12 @@ class PolicyOptions:
     chunk_size: int = 8
     n_action_steps: int = 4
     num_flow_steps: int = 10
-    backbone: str = "tiny"
+    backbone: str = "tiny"  # "tiny" (from scratch) or "smolvlm": the local SmolVLM/Idefics3 checkpoint at backbone_path, LoRA
+    backbone_path: str = ""  # a local folder; nothing is downloaded
+    backbone_layers: int = 0  # text layers of the backbone to run (SmolVLA runs half); 0: all
+    backbone_image_size: int = 0  # side its vision tower sees; 0: native (512 for SmolVLM); smaller is much cheaper on CPU
+    lora_rank: int = 8  # LoRA rank on the backbone's text model (0: frozen backbone, heads only)
+    freeze_vision: bool = True  # False: LoRA on the vision tower too
     ema_decay: float = 0.995  # the acting/evaluated policy is an EMA of the trained weights (0: no average)
 
 

@@ -102,7 +102,8 @@ def ema_update(ema: VLAPolicy, online: VLAPolicy, decay: float) -> None:
     """Exponential moving average of the weights: the policy that acts. Flow policies trained on small data
     swing widely between nearby checkpoints; the average does not."""
     for e, o in zip(ema.parameters(), online.parameters()):
-        e.lerp_(o, 1.0 - decay)
+        if o.requires_grad:  # a frozen backbone's weights are equal in both: averaging them only costs time
+            e.lerp_(o, 1.0 - decay)
     for e, o in zip(ema.buffers(), online.buffers()):
         e.copy_(o)
 
@@ -256,6 +257,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     vla_config = VLAConfig(
         backbone=cfg.policy.backbone, cameras=cameras, image_size=cfg.policy.image_size, chunk_size=cfg.policy.chunk_size,
         n_action_steps=cfg.policy.n_action_steps, num_flow_steps=cfg.policy.num_flow_steps, aux_dim=aux_dim,
+        backbone_path=cfg.policy.backbone_path, backbone_layers=cfg.policy.backbone_layers,
+        backbone_image_size=cfg.policy.backbone_image_size, lora_rank=cfg.policy.lora_rank,
+        freeze_vision=cfg.policy.freeze_vision,
         extra={"tasks": [cfg.task]},
     )  # fmt: skip
     policy = VLAPolicy(vla_config)

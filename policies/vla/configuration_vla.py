@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -16,7 +17,7 @@ class VLAConfig:
     fails with the mismatching field named.
     """
 
-    backbone: str = "tiny"  # "tiny" (trained from scratch) or a local SmolVLM/Idefics3 checkpoint directory
+    backbone: str = "tiny"  # "tiny" (trained from scratch) or "smolvlm" (a local SmolVLM/Idefics3 checkpoint, LoRA)
     cameras: tuple[str, ...] = ("agentview", "wrist")  # observation.images.<camera> inputs, one encoder each
     image_size: int = 64  # images are resized to image_size x image_size before encoding
     state_dim: int = 8  # observation.state size (EE position, quaternion, gripper)
@@ -38,7 +39,17 @@ class VLAConfig:
     aux_dim: int = 0  # size of the privileged auxiliary target (object positions), 0 disables the aux head
     aux_weight: float = 1.0  # weight of the auxiliary loss against the flow loss in SFT
     augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables
-    lora_rank: int = 8  # LoRA rank when the backbone is a pretrained VLM
+    lora_rank: int = 8  # LoRA rank when the backbone is a pretrained VLM (0: backbone fully frozen, heads only)
+    # --- backbone "smolvlm" only (ignored by "tiny"; see policies/vla/smolvlm.py) ---
+    backbone_path: str = ""  # local SmolVLM/Idefics3 checkpoint folder; checkpoints reference it, never copy it
+    backbone_layers: int = 0  # text layers run (the expert reads layer L's hidden states; SmolVLA uses half); 0: all
+    backbone_image_size: int = 0  # side the VLM's vision tower sees; 0: its native size (512 for SmolVLM)
+    backbone_dtype: str = "float32"  # "float32", "bfloat16" or "float16" for the frozen backbone weights
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # text-model linear layers given LoRA
+    freeze_vision: bool = True  # False: LoRA on the vision tower's attention and the connector too
+    max_text_tokens: int = 32  # instruction tokens kept (the checkpoint's own tokenizer)
+    pool_queries: int = 4  # learned queries pooling the prefix's hidden states into the context
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (task names seen, dataset), not architecture
 
     def __post_init__(self) -> None:
@@ -58,6 +69,24 @@ class VLAConfig:
             raise ValueError("VLAConfig.cameras must name at least one camera")
         if self.num_flow_steps < 1:
             raise ValueError(f"VLAConfig.num_flow_steps must be >= 1; got {self.num_flow_steps}")
+        self.lora_targets = tuple(self.lora_targets)
+        if self.backbone not in ("tiny", "smolvlm"):
+            raise ValueError(f"VLAConfig.backbone must be 'tiny' or 'smolvlm'; got {self.backbone!r}")
+        if self.backbone == "smolvlm":
+            if not self.backbone_path:
+                raise ValueError("VLAConfig.backbone_path must name a local SmolVLM/Idefics3 checkpoint folder when backbone='smolvlm'")
+            # Absolute, so that a checkpoint's config.json still finds the backbone from another working directory.
+            self.backbone_path = os.path.abspath(os.path.expanduser(self.backbone_path))
+            for name in ("lora_rank", "backbone_layers", "backbone_image_size"):
+                if getattr(self, name) < 0:
+                    raise ValueError(f"VLAConfig.{name} must be >= 0; got {getattr(self, name)}")
+            for name in ("pool_queries", "max_text_tokens"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"VLAConfig.{name} must be >= 1; got {getattr(self, name)}")
+            if self.backbone_dtype not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"VLAConfig.backbone_dtype must be 'float32', 'bfloat16' or 'float16'; got {self.backbone_dtype!r}")
+            if self.lora_alpha <= 0:
+                raise ValueError(f"VLAConfig.lora_alpha must be > 0; got {self.lora_alpha}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, "policy_type": "vla", **asdict(self)}
@@ -83,5 +112,6 @@ class VLAConfig:
     ARCHITECTURE_FIELDS = (
         "backbone", "cameras", "image_size", "state_dim", "action_dim", "chunk_size", "vision_channels", "vision_dim",
         "text_dim", "text_layers", "max_words", "ngram_buckets", "state_hidden", "hidden_dim", "expert_hidden",
-        "expert_layers", "aux_dim", "lora_rank",
+        "expert_layers", "aux_dim", "lora_rank", "backbone_layers", "backbone_image_size", "lora_alpha", "lora_targets",
+        "freeze_vision", "max_text_tokens", "pool_queries",
     )  # fmt: skip

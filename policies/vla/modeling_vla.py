@@ -16,9 +16,12 @@ Batch convention (all tensors on the model's device):
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections import deque
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,6 +40,7 @@ from diffusion_rl.flow import (
     velocity_target,
 )
 from policies.vla.configuration_vla import VLAConfig
+from policies.vla.smolvlm import BACKBONE_FILE, SmolVLMPrefix, check_backbone_record
 from policies.vla.text import HashTokenizer, TextEncoder
 
 
@@ -114,25 +118,33 @@ class ActionExpert(nn.Module):
 class VLAPolicy(nn.Module):
     """Vision-language-action policy with a flow-matching action expert (π0/SmolVLA family, CPU-sized).
 
+    The observation prefix comes from one of two backbones, both ending in the same (B, hidden_dim) context:
+    - "tiny": FiLM conv per camera + hashed-trigram words + state MLP, trained from scratch (the CPU default);
+    - "smolvlm": a local SmolVLM/Idefics3 checkpoint with LoRA on its text model (`policies/vla/smolvlm.py`); its
+      frozen base weights are referenced by `backbone_path`, never saved into our checkpoints.
+
     Normalisation statistics live in buffers, so they travel inside `model.safetensors` with the weights.
     """
 
-    def __init__(self, config: VLAConfig) -> None:
+    def __init__(self, config: VLAConfig, *, backbone_path: str | None = None) -> None:
+        """`backbone_path` overrides `config.backbone_path` (a checkpoint moved to a machine where the backbone
+        lives elsewhere); the checkpoint's backbone fingerprint is still checked against it on load."""
         super().__init__()
-        if config.backbone != "tiny":
-            raise ValueError(
-                f"VLAConfig.backbone {config.backbone!r}: only 'tiny' is built in so far; a local SmolVLM "
-                "checkpoint backbone is planned (see policies/vla/README notes in the issue)"
-            )
+        if backbone_path and config.backbone == "smolvlm":
+            config = dataclasses.replace(config, backbone_path=backbone_path)
         self.config = config
-        self.tokenizer = HashTokenizer(config.ngram_buckets, config.max_words)
-        self.text = TextEncoder(config.ngram_buckets, config.text_dim, config.text_layers, config.max_words)
-        self.vision = nn.ModuleDict({cam: FiLMConvEncoder(config) for cam in config.cameras})
-        self.state_mlp = nn.Sequential(nn.Linear(config.state_dim, config.state_hidden), nn.GELU())
-        fused = config.vision_dim * len(config.cameras) + config.text_dim + config.state_hidden
-        self.fuse = nn.Sequential(
-            nn.Linear(fused, config.hidden_dim), nn.GELU(), nn.Linear(config.hidden_dim, config.hidden_dim), nn.GELU()
-        )
+        self.prefix: SmolVLMPrefix | None = None
+        if config.backbone == "smolvlm":
+            self.prefix = SmolVLMPrefix(config)
+        else:
+            self.tokenizer = HashTokenizer(config.ngram_buckets, config.max_words)
+            self.text = TextEncoder(config.ngram_buckets, config.text_dim, config.text_layers, config.max_words)
+            self.vision = nn.ModuleDict({cam: FiLMConvEncoder(config) for cam in config.cameras})
+            self.state_mlp = nn.Sequential(nn.Linear(config.state_dim, config.state_hidden), nn.GELU())
+            fused = config.vision_dim * len(config.cameras) + config.text_dim + config.state_hidden
+            self.fuse = nn.Sequential(
+                nn.Linear(fused, config.hidden_dim), nn.GELU(), nn.Linear(config.hidden_dim, config.hidden_dim), nn.GELU()
+            )
         self.expert = ActionExpert(config)
         self.aux_head = (
             nn.Sequential(nn.Linear(config.hidden_dim, config.hidden_dim), nn.GELU(), nn.Linear(config.hidden_dim, config.aux_dim))
@@ -176,9 +188,11 @@ class VLAPolicy(nn.Module):
 
     def features(self, batch: Mapping[str, Any]) -> Tensor:
         """The fused observation feature (B, hidden_dim): what the action expert, the critics and the success model read."""
+        state = (torch.as_tensor(batch["observation.state"], device=self.device, dtype=torch.float32) - self.state_mean) / self.state_std
+        if self.prefix is not None:
+            return self.prefix([self._image(batch, cam) for cam in self.config.cameras], list(batch["task"]), state)
         ids, mask = self.tokenizer(list(batch["task"]), self.device)
         _, text = self.text(ids, mask)
-        state = (torch.as_tensor(batch["observation.state"], device=self.device, dtype=torch.float32) - self.state_mean) / self.state_std
         parts = [self.vision[cam](self._image(batch, cam), text) for cam in self.config.cameras]
         return self.fuse(torch.cat([*parts, text, self.state_mlp(state)], dim=-1))
 
@@ -287,15 +301,28 @@ class VLAPolicy(nn.Module):
     def save_pretrained(self, directory: str, *, extra_files: Mapping[str, bytes] | None = None) -> None:
         from policies.checkpoint import save_checkpoint
 
-        save_checkpoint(directory, self.config.to_dict(), self.state_dict(), extra_files=extra_files)
+        extra = dict(extra_files or {})
+        config = self.config.to_dict()
+        if self.prefix is not None:
+            # The backbone is referenced, not copied (state_dict() holds only its LoRA weights): record which one.
+            record = self.prefix.describe()
+            extra[BACKBONE_FILE] = json.dumps(record, indent=2).encode()
+        save_checkpoint(directory, config, self.state_dict(), extra_files=extra)
 
     @classmethod
-    def from_pretrained(cls, directory: str, *, map_location: str = "cpu") -> VLAPolicy:
+    def from_pretrained(cls, directory: str, *, map_location: str = "cpu", backbone_path: str | None = None) -> VLAPolicy:
+        """Load a checkpoint. For a "smolvlm" policy the backbone is read from `backbone_path`, or from the path in
+        the checkpoint's config.json, and must be the one it was trained on (its fingerprint is compared)."""
         from policies.checkpoint import load_checkpoint
 
         config_dict, state = load_checkpoint(directory, map_location=map_location)
         config = VLAConfig.from_dict(config_dict)
-        model = cls(config)
+        model = cls(config, backbone_path=backbone_path)
+        if model.prefix is not None:
+            record_file = Path(directory) / BACKBONE_FILE
+            if not record_file.is_file():
+                raise FileNotFoundError(f"{directory} is a smolvlm-backbone checkpoint without {BACKBONE_FILE}")
+            check_backbone_record(json.loads(record_file.read_text()), model.prefix, source=directory)
         model.load_state_dict_checked(state, source=directory)
         return model
 
