@@ -21,7 +21,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from diffusion_rl.data import ExecutedBy, Segment
+from diffusion_rl.data import ExecutedBy, Segment, mark_failure_inducing
 from sim.env import TabletopEnv
 from sim.experts import ExpertConfig, make_expert
 
@@ -184,10 +184,7 @@ class SimulatedHuman(gym.Wrapper):
         env: TabletopEnv = self.env.unwrapped
         self.takeovers += 1
         # The policy's last steps led here: exclude them from imitation (HELP), never make them negatives.
-        start = max(0, t + 1 - cfg.failure_window)
-        for i in range(start, t + 1):
-            if self.labels[i] != Segment.HUMAN and self.labels[i] != Segment.RECOVERY:
-                self.labels[i] = Segment.FAILURE_INDUCING
+        self.labels = [Segment(x) for x in mark_failure_inducing(np.asarray(self.labels, np.int8), t + 1, cfg.failure_window)]
         self.expert.reset()
         self.human_steps = 0
         if cfg.rewind == "teleport" and self.best_state is not None:

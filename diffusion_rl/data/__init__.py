@@ -9,6 +9,7 @@ from diffusion_rl.data.episode import (
     Episode,
     ExecutedBy,
     Segment,
+    mark_failure_inducing,
 )
 from diffusion_rl.data.lerobot_v3 import (
     CODEBASE_VERSION,
@@ -39,6 +40,7 @@ __all__ = [
     "Segment",
     "VideoEncoding",
     "load_info",
+    "mark_failure_inducing",
     "load_stats",
     "read_episodes",
     "write_episodes",

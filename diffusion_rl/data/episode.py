@@ -47,6 +47,20 @@ class Segment(enum.IntEnum):
 SEGMENT_NAMES: tuple[str, ...] = tuple(s.name.lower() for s in Segment)
 
 
+def mark_failure_inducing(segment: np.ndarray, takeover: int, window: int) -> np.ndarray:
+    """HELP's labelling at a takeover: the `window` policy steps before it led there.
+
+    `takeover` is the index of the first human step. Steps in [takeover - window, takeover) become FAILURE_INDUCING
+    (excluded from imitation, never made negatives), except HUMAN and RECOVERY steps, which keep their labels.
+    The one rule for the simulated human (sim/monitor.py) and for recorded deployments (robot/recorder.py).
+    """
+    out = np.array(segment, dtype=np.int8)
+    span = slice(max(0, takeover - window), max(0, takeover))
+    keep = np.isin(out[span], (Segment.HUMAN, Segment.RECOVERY))
+    out[span] = np.where(keep, out[span], np.int8(Segment.FAILURE_INDUCING))
+    return out
+
+
 @dataclass
 class Episode:
     """One trajectory, with the labels the RL core needs.

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from diffusion_rl.credit import segment_imitation_weights
 from diffusion_rl.data import Episode
 
 AUX_KEYS = ("privileged.objects", "privileged.target_pos", "privileged.goal_pos")
@@ -37,6 +38,12 @@ class StepBuffer:
     step_in_episode: np.ndarray
     episode_start: np.ndarray
     episode_length: np.ndarray
+    # Steps worth imitating (HELP): idle and failure-inducing steps, e.g. the policy's steps just before a human
+    # took over in a recorded deployment, are excluded, never made negatives.
+    imitable: np.ndarray | None = None
+
+    def imitable_index(self) -> np.ndarray:
+        return np.arange(len(self)) if self.imitable is None else np.flatnonzero(self.imitable)
 
     @classmethod
     def from_episodes(cls, episodes: Sequence[Episode], cameras: Sequence[str]) -> StepBuffer:
@@ -63,6 +70,7 @@ class StepBuffer:
             step_in_episode=np.concatenate([np.arange(n) for n in lengths]),
             episode_start=starts,
             episode_length=lengths,
+            imitable=segment_imitation_weights(torch.from_numpy(np.concatenate([ep.segment for ep in episodes]))).numpy() > 0,
         )
 
     def __len__(self) -> int:

@@ -143,10 +143,13 @@ def actor_updates(
     use_replay = replay is not None and replay_weights is not None and replay_weights.sum() > 0
     n_replay = 0 if not use_replay else int(round(batch_size * (1.0 - demo_fraction)))
     probs = replay_weights / replay_weights.sum() if use_replay else None
+    imitable = demos.imitable_index()
+    if not len(imitable):
+        raise ValueError("no demonstration step to imitate: every step is labelled idle or failure-inducing")
     losses = []
     policy.train()
     for _ in range(steps):
-        parts = [demos.batch(rng.integers(0, len(demos), batch_size - n_replay), policy.config.chunk_size)]
+        parts = [demos.batch(rng.choice(imitable, batch_size - n_replay), policy.config.chunk_size)]
         if n_replay:
             parts.append(replay.batch(rng.choice(len(replay), n_replay, p=probs), policy.config.chunk_size))
         batch = _concat_batches(parts)
@@ -230,6 +233,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     # 2. Demonstrations ------------------------------------------------------------------------------------------------
     demo_dir = run.root / "demos"
     if cfg.dataset:
+        if (Path(cfg.dataset) / "dataset" / "meta" / "info.json").exists():
+            cfg.dataset = str(Path(cfg.dataset) / "dataset")  # a `kinema deploy --record` folder: its dataset part
         demos = read_episodes(cfg.dataset)
         console.print(f"loaded {len(demos)} episodes from {cfg.dataset}")
     elif (demo_dir / "meta" / "info.json").exists():

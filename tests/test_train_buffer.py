@@ -1,0 +1,35 @@
+"""Which recorded steps the VLA imitates: HELP's exclusion of failure-inducing and idle steps."""
+
+import numpy as np
+
+from diffusion_rl.data import Episode, ExecutedBy, Segment, mark_failure_inducing
+from kinema.train.buffer import StepBuffer
+
+
+def _episode(executed_by: np.ndarray, segment: np.ndarray) -> Episode:
+    T = len(executed_by)
+    return Episode(
+        observations={"observation.state": np.zeros((T, 8)), "observation.images.agentview": np.zeros((T, 8, 8, 3), np.uint8)},
+        action=np.zeros((T, 7)),
+        task="open the drawer",
+        executed_by=executed_by,
+        segment=segment,
+        outcome=True,
+    )
+
+
+def test_mark_failure_inducing_labels_the_window_before_a_takeover_only():
+    seg = np.array([Segment.PROGRESS] * 6 + [Segment.HUMAN] * 2, np.int8)
+    seg[1] = Segment.RECOVERY
+    out = mark_failure_inducing(seg, takeover=6, window=4)
+    assert out.tolist() == [0, 3, 2, 2, 2, 2, 4, 4]  # recovery at 1 kept; steps 2-5 led to the takeover
+    assert mark_failure_inducing(seg, takeover=1, window=4).tolist()[:2] == [2, 3]
+
+
+def test_step_buffer_skips_failure_inducing_and_idle_steps_when_imitating():
+    executed_by = np.array([0, 0, 0, 0, 1, 1, 0, 0], np.int8)
+    segment = np.where(executed_by == ExecutedBy.HUMAN, Segment.HUMAN, Segment.PROGRESS).astype(np.int8)
+    segment = mark_failure_inducing(segment, takeover=4, window=2)
+    segment[7] = Segment.IDLE
+    buffer = StepBuffer.from_episodes([_episode(executed_by, segment)], ["agentview"])
+    assert buffer.imitable_index().tolist() == [0, 1, 4, 5, 6]
