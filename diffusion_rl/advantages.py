@@ -192,7 +192,9 @@ def _batch_whiten(x: Tensor, keep: Tensor, eps: float) -> Tensor:
     out = torch.zeros_like(x)
     if int(keep.sum()) > 1:
         v = x[keep]
-        out[keep] = (v - v.mean()) / (v.std(correction=1) + eps)
+        sd = v.std(correction=1)
+        # Advantages that cancel to float noise (rewards in exact opposition) must stay ~0, not be scaled up to unit size.
+        out[keep] = (v - v.mean()) / (sd + eps) if sd > 1e-4 else v - v.mean()
     return out
 
 

@@ -20,12 +20,16 @@ def rclpy_available() -> bool:
 def make_transport(backend: str = "auto", *, node_name: str = "kinema", domain_id: int | None = None, **kwargs) -> Transport:
     """Connect a node to the graph. `auto` is rclpy where ROS 2 is installed, DDS otherwise.
 
-    `domain_id` defaults to `ROS_DOMAIN_ID` (0 when unset), as in ROS 2.
+    `domain_id` defaults to `ROS_DOMAIN_ID` (0 when unset), as in ROS 2. Other keywords go to the backend, e.g.
+    `config=` for `dds` (None: CYCLONEDDS_URI if set, else the loopback config; "loopback"; or a CycloneDDS XML path).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown transport backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if domain_id is None:
-        domain_id = int(os.environ.get("ROS_DOMAIN_ID", "0") or 0)
+        raw = os.environ.get("ROS_DOMAIN_ID", "") or "0"
+        if not raw.strip().isdigit():
+            raise ValueError(f"ROS_DOMAIN_ID={raw!r} is not a domain id; expected an integer 0..232 (0..101 on Linux)")
+        domain_id = int(raw)
     if backend == "auto":
         backend = "rclpy" if rclpy_available() else "dds"
     if backend == "inproc":

@@ -1,0 +1,73 @@
+"""Deploy a kinema policy on a ROS 2 arm.
+
+    ros2 launch launch/bridge.launch.py policy:=/path/to/checkpoint robot:=assets/robots/<arm>.yaml
+
+Runs `kinema deploy` as a ROS 2 node: it reads /joint_states and the cameras named in the robot config, and
+commands the arm's ros2_control controller through kinema's safety layer. `ros2 launch ... --show-args` lists
+the arguments.
+
+How launch_ros finds the executable: Node(package="kinema", executable="kinema") looks `kinema` up in the ament
+index, i.e. it runs <prefix>/lib/kinema/kinema for the first <prefix> on AMENT_PREFIX_PATH that has the marker
+<prefix>/share/ament_index/resource_index/packages/kinema. kinema is a pip package, not a colcon one, so register
+its console script once, in the Python environment ROS 2 uses:
+
+    pip install "kinema[ros]"
+    prefix=$HOME/.local/kinema_ament
+    mkdir -p $prefix/share/ament_index/resource_index/packages $prefix/lib/kinema
+    touch $prefix/share/ament_index/resource_index/packages/kinema
+    ln -sf "$(command -v kinema)" $prefix/lib/kinema/kinema
+    export AMENT_PREFIX_PATH=$prefix:$AMENT_PREFIX_PATH   # e.g. in ~/.bashrc, after sourcing ROS 2
+
+This folder is not a Python package (`launch` is ROS 2's own module name).
+"""
+
+import os
+
+from launch import LaunchDescription
+from launch.actions import DeclareLaunchArgument, OpaqueFunction
+from launch.substitutions import LaunchConfiguration
+from launch_ros.actions import Node
+
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "assets")
+DEFAULT_ROBOT = os.path.normpath(os.path.join(ASSETS, "robots", "sim_panda.yaml"))
+
+
+def _deploy_node(context):
+    """Build `kinema deploy ...`, leaving out optional flags whose argument is empty."""
+
+    def arg(name: str) -> str:
+        return LaunchConfiguration(name).perform(context)
+
+    arguments = ["deploy", "--policy", arg("policy"), "--robot", arg("robot"), "--backend", arg("backend")]
+    if arg("instruction"):
+        arguments += ["--instruction", arg("instruction")]
+    if arg("record"):
+        arguments += ["--record", arg("record")]
+    if arg("local").lower() == "true":
+        arguments.append("--local")
+    return [Node(package="kinema", executable="kinema", name="kinema_deploy", arguments=arguments, output="screen")]
+
+
+def generate_launch_description():
+    return LaunchDescription([
+        DeclareLaunchArgument("policy", description="policy checkpoint folder (config.json + model.safetensors)"),
+        DeclareLaunchArgument(
+            "robot", default_value=DEFAULT_ROBOT,
+            description="robot config YAML: joints (matched by name), limits, controller, topics, cameras, rates",
+        ),
+        DeclareLaunchArgument(
+            "backend", default_value="auto", choices=["auto", "rclpy", "dds"],
+            description="transport: rclpy (this ROS 2 install), dds (CycloneDDS, ROS 2 wire format) or auto",
+        ),
+        DeclareLaunchArgument(
+            "instruction", default_value="", description="language instruction ('' = from the instruction topic)",
+        ),
+        DeclareLaunchArgument(
+            "record", default_value="", description="folder for recorded episodes (LeRobotDataset v3 + MCAP); '' = off",
+        ),
+        DeclareLaunchArgument(
+            "local", default_value="false", choices=["true", "false"],
+            description="pin DDS to this machine (loopback); for a sim robot on the same host",
+        ),
+        OpaqueFunction(function=_deploy_node),
+    ])
