@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_sim_commands(sub)
     _add_train_commands(sub)
+    from kinema.robot_commands import add_robot_commands
+
+    add_robot_commands(sub)
     return parser
 
 
@@ -96,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kinema.train.commands import eval_command
 
             return eval_command(args)
+        if args.command in ("deploy", "sim-robot"):
+            from kinema.robot_commands import run_robot_command
+
+            return run_robot_command(args)
         if args.command == "sim":
             from kinema import sim_commands
 

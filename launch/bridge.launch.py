@@ -43,8 +43,8 @@ def _deploy_node(context):
         arguments += ["--instruction", arg("instruction")]
     if arg("record"):
         arguments += ["--record", arg("record")]
-    if arg("local").lower() == "true":
-        arguments.append("--local")
+    # kinema's own default is loopback-only DDS; a robot on the network needs the explicit opt-out.
+    arguments.append("--local" if arg("local").lower() == "true" else "--no-local")
     return [Node(package="kinema", executable="kinema", name="kinema_deploy", arguments=arguments, output="screen")]
 
 

@@ -26,7 +26,7 @@ def _nodes(context):
     def arg(name: str) -> str:
         return LaunchConfiguration(name).perform(context)
 
-    local = ["--local"] if arg("local").lower() == "true" else []
+    local = ["--local"] if arg("local").lower() == "true" else ["--no-local"]
     common = ["--robot", arg("robot"), "--backend", arg("backend"), *local]
     nodes = [
         Node(

@@ -199,7 +199,7 @@ def test_launch_file_declares_documented_arguments_and_runs_valid_kinema_command
             if configs.get("local") == "true":
                 assert "--local" in kw["arguments"]
             if configs.get("local") == "false":
-                assert "--local" not in kw["arguments"]
+                assert "--local" not in kw["arguments"] and "--no-local" in kw["arguments"]
     expected = {"bridge.launch.py": {"deploy"}, "sim_robot.launch.py": {"sim-robot", "deploy"}}[path.name]
     assert seen_commands == expected
 

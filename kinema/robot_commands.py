@@ -1,0 +1,241 @@
+"""`kinema deploy` and `kinema sim-robot`: a policy on a ROS 2 arm, and a MuJoCo task exposed as one.
+
+    kinema sim-robot --task drawer --seed 0                                   # terminal 1: the robot
+    kinema deploy --policy runs/drawer/checkpoints/final --episodes 3 --record runs/deploy   # terminal 2
+
+Both talk over ROS 2 topics (the robot config names them). With `--backend dds` (the default where ROS 2 is not
+installed) and `--local` (the default), DDS stays on this machine (loopback only). Ctrl-C (or SIGTERM) stops cleanly:
+the policy node stops commanding, the recorder commits what it has, the transport closes.
+
+Episodes in `deploy`: the first runs from the robot's current state; before each later one, "reset" goes out on the
+episode topic (the sim robot resets its scene to the next seed; on a real arm, an operator or a reset routine does).
+An episode ends when the success topic says so, or after `--duration` seconds (a failure if the success topic said
+False, unlabelled if it said nothing). With `--record DIR`, each one is written to DIR/dataset (LeRobotDataset v3)
+and DIR/mcap (ros2 MCAP) with its takeover segments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+DEFAULT_ROBOT = "sim_panda"
+
+
+def add_robot_commands(sub: argparse._SubParsersAction) -> None:
+    from robot.transport import BACKENDS
+
+    deploy = sub.add_parser(
+        "deploy",
+        help="run a policy on a ROS 2 arm (or `kinema sim-robot`) behind the safety layer, with human takeover",
+        description="Run a policy as a ROS 2 node: /joint_states and cameras in, joint position commands out, "
+        "through the safety layer. A human can take over on the takeover topic at any moment.",
+    )
+    deploy.add_argument(
+        "--policy", required=True,
+        help="a VLA checkpoint folder, or scripted:zero | scripted:nan | scripted:replay:task=T:seed=N",
+    )
+    deploy.add_argument("--robot", default=DEFAULT_ROBOT, help=f"robot config YAML, or a shipped name (default {DEFAULT_ROBOT})")
+    deploy.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: rclpy where ROS 2 is installed, else dds")
+    deploy.add_argument(
+        "--local", action=argparse.BooleanOptionalAction, default=True,
+        help="DDS on loopback only (default); --no-local uses CYCLONEDDS_URI, for a robot on the network",
+    )
+    deploy.add_argument("--instruction", default="", help="the task in words; a message on the instruction topic replaces it")
+    deploy.add_argument("--record", default=None, metavar="DIR", help="record episodes to DIR (LeRobotDataset v3 + MCAP)")
+    deploy.add_argument("--episodes", type=int, default=1, help="episodes to run (default 1)")
+    deploy.add_argument("--duration", type=float, default=60.0, help="seconds per episode at most (default 60)")
+    deploy.add_argument("--wait-robot", type=float, default=20.0, help="seconds to wait for the first /joint_states")
+
+    simr = sub.add_parser(
+        "sim-robot",
+        help="a MuJoCo task as a ROS 2 robot: /joint_states, cameras, position/trajectory commands, success",
+        description="Expose a sim task as a ros2_control-like robot, stepping physics in real time.",
+    )
+    simr.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
+    simr.add_argument("--robot", default=DEFAULT_ROBOT, help=f"robot config YAML, or a shipped name (default {DEFAULT_ROBOT})")
+    simr.add_argument("--seed", type=int, default=0, help="seed of the first episode; each 'reset' takes the next")
+    simr.add_argument("--backend", choices=BACKENDS, default="auto")
+    simr.add_argument("--local", action=argparse.BooleanOptionalAction, default=True, help="DDS on loopback only (default)")
+    simr.add_argument("--rate", type=float, default=100.0, help="/joint_states rate in Hz (default 100)")
+    simr.add_argument("--camera-rate", type=float, default=30.0, help="camera rate in Hz (default 30)")
+    simr.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
+
+
+def run_robot_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    commands = {"deploy": deploy, "sim-robot": sim_robot}
+    if args.command not in commands:
+        raise ValueError(f"not a robot command: {args.command!r}")
+    # SIGTERM (a supervisor, a test's terminate()) stops as cleanly as Ctrl-C; the caller's handler comes back after.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return commands[args.command](args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _transport(args: argparse.Namespace, node_name: str):
+    from robot.transport import make_transport, rclpy_available
+
+    backend = args.backend
+    if backend == "auto":
+        backend = "rclpy" if rclpy_available() else "dds"
+    kwargs: dict[str, Any] = {}
+    if backend == "dds":
+        kwargs["config"] = "loopback" if args.local else None
+    return make_transport(backend, node_name=node_name, **kwargs)
+
+
+def _emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def _sleep_until(predicate, timeout: float, step: float = 0.02) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+def sim_robot(args: argparse.Namespace) -> int:
+    from robot.config import load_robot_config
+    from robot.sim_robot import SimRobotNode
+
+    robot = load_robot_config(args.robot)
+    with _transport(args, "kinema_sim_robot") as transport:
+        node = SimRobotNode(transport, robot, args.task, seed=args.seed, state_hz=args.rate, camera_hz=args.camera_rate)
+        node.start()
+        _emit({"event": "ready", "task": args.task, "seed": node.seed, "instruction": node.instruction})
+        start = time.monotonic()
+        try:
+            while args.duration <= 0 or time.monotonic() - start < args.duration:
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            node.close()
+        _emit({"event": "stopped", "seconds": round(time.monotonic() - start, 2), "counters": dict(node.counters)})
+    return 0
+
+
+def _recorder(transport, robot, mapper, out_dir: str, instruction: str):
+    from robot.recorder import CameraTopic, EpisodeRecorder, RecorderConfig
+
+    cams = robot.cameras
+    config = RecorderConfig(
+        joint_names=robot.command_joint_names,
+        state_topic=robot.topics.joint_states,
+        cameras=[CameraTopic(c.name, c.topic, compressed=c.format == "compressed") for c in cams],
+        command_topic=robot.controller.commands_topic if robot.controller.type == "forward_position" else robot.controller.trajectory_topic,
+        command_type=robot.controller.type,
+        takeover_topic=robot.topics.takeover,
+        episode_topic=robot.topics.episode,
+        instruction_topic=robot.topics.instruction,
+        success_topic=robot.topics.success,
+        instruction=instruction,
+        fps=robot.rates.control_hz,
+        image_size=(cams[0].height, cams[0].width) if cams else None,
+        state_names=["ee_x", "ee_y", "ee_z", "ee_qw", "ee_qx", "ee_qy", "ee_qz", "gripper_opening"],
+        action_names=["dx", "dy", "dz", "drx", "dry", "drz", "gripper"],
+        robot_type=robot.name,
+    )
+    # The recorded state and action are the policy's (EE pose; EE delta), so recordings train like sim data.
+    return EpisodeRecorder(transport, config, out_dir, state_fn=mapper.state, action_fn=mapper.to_action)
+
+
+def deploy(args: argparse.Namespace) -> int:
+    from kinema.robot_policies import load_policy
+    from robot import messages as msg
+    from robot.config import load_robot_config
+    from robot.policy_node import PolicyNode
+
+    if args.episodes < 1 or args.duration <= 0:
+        raise ValueError(f"--episodes must be >= 1 and --duration > 0; got {args.episodes} and {args.duration}")
+    robot = load_robot_config(args.robot)
+    policy = load_policy(args.policy, control_hz=robot.rates.control_hz)
+    results: list[dict[str, Any]] = []
+    with _transport(args, "kinema_policy") as transport:
+        node = PolicyNode(transport, robot, policy, instruction=args.instruction)
+        recorder = _recorder(transport, robot, node.mapper, args.record, args.instruction) if args.record else None
+        episode_pub = transport.publisher(robot.topics.episode, msg.String)
+        interrupted = False
+        try:
+            if not _sleep_until(lambda: node.safety.has_state, args.wait_robot):
+                raise ValueError(
+                    f"no valid {robot.topics.joint_states} within {args.wait_robot} s (joints {robot.command_joint_names}): "
+                    "is the robot (e.g. `kinema sim-robot`) running on the same backend and ROS_DOMAIN_ID?"
+                )
+            if not args.instruction:  # the robot side may name the task (the sim robot does, once a second)
+                _sleep_until(lambda: bool(node.instruction), 2.0)
+            node.pause()
+            node.start()
+            if recorder is not None:
+                recorder.start()
+            for episode in range(args.episodes):
+                if episode > 0:
+                    episode_pub.publish(msg.String(data="reset"))
+                    time.sleep(0.5)  # the robot resets and publishes its new state and instruction
+                if recorder is not None and recorder.recording:
+                    # The recorder starts an episode on "reset" itself; that one began while the scene was being
+                    # reset (its steps pair the old command with the new state), so drop it and start afresh.
+                    recorder.mark("abort")
+                node.start_episode()
+                if recorder is not None:
+                    recorder.mark("start")
+                start = time.monotonic()
+                _sleep_until(lambda: bool(node.success), args.duration)
+                node.pause()
+                success = node.success  # None: nobody said (no success topic on this robot)
+                if recorder is not None:
+                    recorder.mark("stop" if success is None else ("success" if success else "failure"))
+                result = {
+                    "event": "episode", "episode": episode, "success": success,
+                    "seconds": round(time.monotonic() - start, 2), "instruction": node.instruction,
+                    "taken_over": node.was_taken_over,
+                }
+                results.append(result)
+                _emit(result)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            node.close()
+            if recorder is not None:
+                recorder.close()  # an episode still open is committed as incomplete
+        summary = {
+            "event": "summary", "episodes": len(results), "successes": sum(bool(r["success"]) for r in results),
+            "interrupted": interrupted, **node.status(),
+        }
+        if recorder is not None:
+            summary["recorded"] = str(recorder.dataset_dir)
+        _emit(summary)
+    return 130 if interrupted else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kinema.robot_commands deploy|sim-robot ...`: the same commands outside `kinema`'s CLI."""
+    parser = argparse.ArgumentParser(prog="kinema")
+    add_robot_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return run_robot_command(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"kinema: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
