@@ -10,7 +10,8 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,26 +22,22 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
-def save_checkpoint(
-    directory: str | os.PathLike,
-    config: Mapping[str, Any],
-    state_dict: Mapping[str, torch.Tensor],
-    *,
-    extra_files: Mapping[str, bytes] | None = None,
-) -> Path:
+@contextmanager
+def atomic_folder(directory: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling folder to write into; on success, fsync its files and rename it over `directory`.
+
+    A crash or an exception leaves the previous folder (or nothing) in place, never a half-written one.
+    """
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.mkdir()
     try:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, default=list))
-        for name, data in (extra_files or {}).items():
-            (tmp / name).write_bytes(data)
-        for path in tmp.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+        yield tmp
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
         old = None
         if target.exists():
             old = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.old"
@@ -51,7 +48,22 @@ def save_checkpoint(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    config: Mapping[str, Any],
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    extra_files: Mapping[str, bytes] | None = None,
+) -> Path:
+    with atomic_folder(directory) as tmp:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, default=list))
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+    return Path(directory)
 
 
 def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
