@@ -58,6 +58,10 @@ class HABCConfig:
     intervention_reweighting: bool = False  # human steps get g instead of 1 (the paper's "IR")
     huber_delta: float = 1.0
     normalize: bool = True  # divide non-demo weights by their mean
+    # "td" (the paper): V_e(s) regresses on -1 + sg(V_e(s')). "mc" (our variant): on the observed negative
+    # steps-to-success of the successful episode, the TD fixed point on that data without the slow propagation
+    # of -1 per step back through the horizon.
+    efficiency_target: Literal["td", "mc"] = "td"
 
     def __post_init__(self) -> None:
         if self.gate not in GATE_MODES:
@@ -66,6 +70,8 @@ class HABCConfig:
             raise ValueError(f"HABCConfig.warmup_steps must be >= 0; got {self.warmup_steps}")
         if not 0.0 <= self.fixed_mix <= 1.0:
             raise ValueError(f"HABCConfig.fixed_mix must be in [0, 1]; got {self.fixed_mix}")
+        if self.efficiency_target not in ("td", "mc"):
+            raise ValueError(f"HABCConfig.efficiency_target must be 'td' or 'mc'; got {self.efficiency_target!r}")
 
 
 class CriticOutput(NamedTuple):
@@ -129,6 +135,7 @@ def habc_critic_loss(
     terminal_success: Tensor,
     bootstrap_ok: Tensor,
     huber_delta: float = 1.0,
+    mc_targets: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """HABC critic loss = BCE(z_v, y) on viability_mask + Huber(V_e, TD target) on efficiency_mask; scalar.
 
@@ -154,8 +161,12 @@ def habc_critic_loss(
     bce = F.binary_cross_entropy_with_logits(z_v, y, reduction="none")
     vmask = viability_mask.to(torch.bool)
     term = terminal_success.to(torch.bool)
-    emask = efficiency_mask.to(torch.bool) & (term | bootstrap_ok.to(torch.bool))
-    target = efficiency_td_target(v_e_next, terminal_success=term)
+    if mc_targets is None:
+        emask = efficiency_mask.to(torch.bool) & (term | bootstrap_ok.to(torch.bool))
+        target = efficiency_td_target(v_e_next, terminal_success=term)
+    else:  # `steps_to_success_targets(...)`: (targets, mask), the "mc" variant
+        target, mc_mask = mc_targets
+        emask = efficiency_mask.to(torch.bool) & mc_mask
     hub = F.huber_loss(v_e, target, reduction="none", delta=huber_delta)
     lv = masked_mean(bce, vmask)
     le = masked_mean(hub, emask)
@@ -170,6 +181,22 @@ def habc_critic_loss(
 # ----------------------------------------------------------------------------------------------------------------
 # Advantages, gate, weights
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def steps_to_success_targets(first_success: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Monte-Carlo efficiency targets: V_e(s_t) = -(t_success - t + 1) up to the first-success step.
+
+    first_success, valid: (N, T) bool. Returns (targets (N, T) float, mask (N, T) bool: steps at or before a
+    first success). Equals the TD target's fixed point on a successful trajectory.
+    """
+    check_same_shape(first_success=first_success, valid=valid)
+    T = first_success.shape[-1]
+    tidx = torch.arange(T, device=first_success.device).expand_as(first_success)
+    has = first_success.any(dim=-1, keepdim=True)
+    fs_idx = torch.where(first_success, tidx, torch.full_like(tidx, T)).min(dim=-1, keepdim=True).values
+    mask = has & valid.to(torch.bool) & (tidx <= fs_idx)
+    targets = torch.where(mask, -(fs_idx - tidx + 1).to(torch.float32), torch.zeros((), dtype=torch.float32))
+    return targets, mask
 
 
 class HABCAdvantages(NamedTuple):
@@ -383,7 +410,8 @@ def habc_step(
         enabled=config.intervention_credit,
     )
     out = critic(features)
-    if target is None:
+    mc = steps_to_success_targets(batch.first_success, batch.valid) if config.efficiency_target == "mc" else None
+    if target is None or mc is not None:  # Monte-Carlo targets need no slowly updated copy
         nxt = CriticOutput(shift_next(out.z_v.detach()), shift_next(out.v_e.detach()))
     else:
         with torch.no_grad():
@@ -400,6 +428,7 @@ def habc_step(
         terminal_success=batch.first_success,
         bootstrap_ok=credit.bootstrap_ok,
         huber_delta=config.huber_delta,
+        mc_targets=mc,
     )
     w, diag = habc_weights(
         CriticOutput(out.z_v.detach(), out.v_e.detach()),

@@ -1,5 +1,6 @@
 """HABC: gate behaviour, actor weights, critic targets, and a trained critic on a chain task."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -183,3 +184,51 @@ def test_trained_critic_gates_faster_than_expected_transitions_above_one():
         step=10,
     )
     assert torch.equal(w0, torch.ones(3))
+
+
+def test_mc_efficiency_targets_are_negative_steps_to_success_and_the_td_fixed_point():
+    from diffusion_rl.habc import efficiency_td_target, steps_to_success_targets
+
+    valid = torch.tensor([[True] * 5, [True] * 4 + [False]])
+    first = torch.zeros(2, 5, dtype=torch.bool)
+    first[0, 3] = True  # succeeds at step 3; the second episode never does
+    targets, mask = steps_to_success_targets(first, valid)
+    assert mask.tolist() == [[True, True, True, True, False], [False] * 5]
+    assert targets[0, :4].tolist() == [-4.0, -3.0, -2.0, -1.0]
+    # TD consistency: -1 + V(s') at every step before success, -1 at the success step.
+    v_next = torch.cat([targets[:, 1:], torch.zeros(2, 1)], dim=1)
+    td = efficiency_td_target(v_next, terminal_success=first)
+    assert torch.equal(td[0, :4], targets[0, :4])
+
+
+def test_habc_step_with_mc_targets_fits_steps_to_go_quickly():
+    from diffusion_rl.batching import collate_episodes
+    from diffusion_rl.data import Episode
+    from diffusion_rl.habc import HABCConfig, HABCCritic, habc_step
+
+    T = 30
+    episodes = []
+    for n in range(4):
+        length = T - 4 * n
+        success = np.zeros(length, bool)
+        success[-1] = True
+        obs = {"observation.state": np.zeros((length, 2))}
+        episodes.append(Episode(observations=obs, action=np.zeros((length, 1)), task="t", success=success))
+    batch = collate_episodes(episodes)
+    # φ(s) = (steps to go) / T one-hot-ish: a linear head can represent V_e exactly.
+    steps_to_go = torch.zeros(batch.valid.shape)
+    for i, ep in enumerate(episodes):
+        steps_to_go[i, : len(ep)] = torch.arange(len(ep), 0, -1, dtype=torch.float32)
+    feats = torch.stack([steps_to_go / T, torch.ones_like(steps_to_go)], dim=-1)
+    critic = HABCCritic(2, num_layers=0, value_scale=float(T))
+    opt = torch.optim.Adam(critic.parameters(), lr=1e-2)
+    config = HABCConfig(efficiency_target="mc")
+    for _ in range(300):
+        loss = habc_step(critic, feats, batch, step=None, config=config).critic_loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    v_e = critic(feats).v_e.detach()
+    assert torch.allclose(v_e[batch.valid], -steps_to_go[batch.valid], atol=0.5)
+    with pytest.raises(ValueError, match="efficiency_target"):
+        HABCConfig(efficiency_target="bootstrap")

@@ -45,6 +45,8 @@ class HABCOptions:
     warmup_rounds: int = 0  # rounds with g = 1 (critics still train)
     critic_steps: int = 400  # critic gradient steps per round
     critic_lr: float = 3e-4  # HABC critic learning rate (with a soft-updated target critic for the TD head)
+    efficiency_target: str = "td"  # td (the paper) | mc: observed steps-to-success as V_e's target (ours)
+    value_scale: float = 1.0  # V_e = scale * head output; > 1 (e.g. the horizon) only with efficiency_target mc
 
 
 @dataclass

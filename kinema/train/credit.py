@@ -44,13 +44,14 @@ class CriticState:
 
     feature_dim: int
     critic_lr: float = 3e-4
+    value_scale: float = 1.0
     habc: HABCCritic = field(init=False)
     value: nn.Module = field(init=False)
     success: SuccessHead = field(init=False)
 
     def __post_init__(self) -> None:
-        # value_scale 1: a larger scale multiplies the TD step in value space and diverged in practice.
-        self.habc = HABCCritic(self.feature_dim, hidden_dim=256, num_layers=2, value_scale=1.0)
+        # value_scale 1 for TD: a larger scale multiplies the TD step in value space and diverged in practice.
+        self.habc = HABCCritic(self.feature_dim, hidden_dim=256, num_layers=2, value_scale=self.value_scale)
         self.habc_target = copy.deepcopy(self.habc).requires_grad_(False)
         self.value = nn.Sequential(nn.Linear(self.feature_dim, 256), nn.SiLU(), nn.Linear(256, 1))
         self.success = SuccessHead(self.feature_dim, hidden_dim=256, num_layers=2)
