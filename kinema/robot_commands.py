@@ -3,8 +3,8 @@
     kinema sim-robot --task drawer --seed 0                                   # terminal 1: the robot
     kinema deploy --policy runs/drawer/checkpoints/final --episodes 3 --record runs/deploy   # terminal 2
 
-Both talk over ROS 2 topics (the robot config names them). With `--backend dds` (the default where ROS 2 is not
-installed) and `--local` (the default), DDS stays on this machine (loopback only). Ctrl-C (or SIGTERM) stops cleanly:
+Both talk over ROS 2 topics (the robot config names them). With `--local` (the default) nothing leaves this machine,
+with either backend (`dds`, the default where ROS 2 is not installed, or `rclpy`): see robot/transport/loopback.py. Ctrl-C (or SIGTERM) stops cleanly:
 the policy node stops commanding, the recorder commits what it has, the transport closes.
 
 Episodes in `deploy`: the first runs from the robot's current state; before each later one, "reset" goes out on the
@@ -21,10 +21,16 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
 DEFAULT_ROBOT = "sim_panda"
+LOCAL_HELP = (
+    "keep all ROS 2 traffic on this machine (default), with either backend: CycloneDDS on the loopback config, "
+    "ROS_LOCALHOST_ONLY=1 and ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST for rclpy; --no-local uses the environment's "
+    "DDS settings (CYCLONEDDS_URI, ROS_*), for a robot on the network"
+)
 
 
 def add_robot_commands(sub: argparse._SubParsersAction) -> None:
@@ -42,12 +48,14 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
     )
     deploy.add_argument("--robot", default=DEFAULT_ROBOT, help=f"robot config YAML, or a shipped name (default {DEFAULT_ROBOT})")
     deploy.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: rclpy where ROS 2 is installed, else dds")
-    deploy.add_argument(
-        "--local", action=argparse.BooleanOptionalAction, default=True,
-        help="DDS on loopback only (default); --no-local uses CYCLONEDDS_URI, for a robot on the network",
-    )
+    deploy.add_argument("--local", action=argparse.BooleanOptionalAction, default=True, help=LOCAL_HELP)
     deploy.add_argument("--instruction", default="", help="the task in words; a message on the instruction topic replaces it")
     deploy.add_argument("--record", default=None, metavar="DIR", help="record episodes to DIR (LeRobotDataset v3 + MCAP)")
+    deploy.add_argument(
+        "--keys", action="store_true",
+        help="with --record: a person marks the recorded episodes from the keyboard (space start/stop, s success, "
+        "f failure, a abort, q quit deploy) instead of deploy marking each one",
+    )
     deploy.add_argument("--episodes", type=int, default=1, help="episodes to run (default 1)")
     deploy.add_argument("--duration", type=float, default=60.0, help="seconds per episode at most (default 60)")
     deploy.add_argument("--wait-robot", type=float, default=20.0, help="seconds to wait for the first /joint_states")
@@ -61,7 +69,7 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
     simr.add_argument("--robot", default=DEFAULT_ROBOT, help=f"robot config YAML, or a shipped name (default {DEFAULT_ROBOT})")
     simr.add_argument("--seed", type=int, default=0, help="seed of the first episode; each 'reset' takes the next")
     simr.add_argument("--backend", choices=BACKENDS, default="auto")
-    simr.add_argument("--local", action=argparse.BooleanOptionalAction, default=True, help="DDS on loopback only (default)")
+    simr.add_argument("--local", action=argparse.BooleanOptionalAction, default=True, help=LOCAL_HELP)
     simr.add_argument("--rate", type=float, default=100.0, help="/joint_states rate in Hz (default 100)")
     simr.add_argument("--camera-rate", type=float, default=30.0, help="camera rate in Hz (default 30)")
     simr.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
@@ -85,15 +93,10 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def _transport(args: argparse.Namespace, node_name: str):
-    from robot.transport import make_transport, rclpy_available
+    from robot.transport import make_transport
 
-    backend = args.backend
-    if backend == "auto":
-        backend = "rclpy" if rclpy_available() else "dds"
-    kwargs: dict[str, Any] = {}
-    if backend == "dds":
-        kwargs["config"] = "loopback" if args.local else None
-    return make_transport(backend, node_name=node_name, **kwargs)
+    # --local pins every backend (rclpy included) to loopback before its first participant: see make_transport.
+    return make_transport(args.backend, node_name=node_name, local=args.local)
 
 
 def _emit(record: dict[str, Any]) -> None:
@@ -126,32 +129,18 @@ def sim_robot(args: argparse.Namespace) -> int:
             pass
         finally:
             node.close()
-        _emit({"event": "stopped", "seconds": round(time.monotonic() - start, 2), "counters": dict(node.counters)})
+        _emit({"event": "stopped", "seconds": round(time.monotonic() - start, 2), "counters": node.counters.snapshot()})
     return 0
 
 
 def _recorder(transport, robot, mapper, out_dir: str, instruction: str):
-    from robot.recorder import CameraTopic, EpisodeRecorder, RecorderConfig
+    from robot.recorder import EpisodeRecorder, RecorderConfig
 
-    cams = robot.cameras
-    config = RecorderConfig(
-        joint_names=robot.command_joint_names,
-        state_topic=robot.topics.joint_states,
-        cameras=[CameraTopic(c.name, c.topic, compressed=c.format == "compressed") for c in cams],
-        command_topic=robot.controller.commands_topic if robot.controller.type == "forward_position" else robot.controller.trajectory_topic,
-        command_type=robot.controller.type,
-        takeover_topic=robot.topics.takeover,
-        episode_topic=robot.topics.episode,
-        instruction_topic=robot.topics.instruction,
-        success_topic=robot.topics.success,
-        instruction=instruction,
-        fps=robot.rates.control_hz,
-        image_size=(cams[0].height, cams[0].width) if cams else None,
-        state_names=["ee_x", "ee_y", "ee_z", "ee_qw", "ee_qx", "ee_qy", "ee_qz", "gripper_opening"],
-        action_names=["dx", "dy", "dz", "drx", "dry", "drz", "gripper"],
-        robot_type=robot.name,
-    )
+    # The robot's own view (per-camera sizes; a step per streamed command, so no aliasing against the control loop).
     # The recorded state and action are the policy's (EE pose; EE delta), so recordings train like sim data.
+    config = RecorderConfig.from_robot(
+        robot, instruction=instruction, state_names=list(mapper.STATE_NAMES), action_names=list(mapper.ACTION_NAMES)
+    )
     return EpisodeRecorder(transport, config, out_dir, state_fn=mapper.state, action_fn=mapper.to_action)
 
 
@@ -163,6 +152,8 @@ def deploy(args: argparse.Namespace) -> int:
 
     if args.episodes < 1 or args.duration <= 0:
         raise ValueError(f"--episodes must be >= 1 and --duration > 0; got {args.episodes} and {args.duration}")
+    if args.keys and not args.record:
+        raise ValueError("--keys marks recorded episodes: it needs --record DIR")
     robot = load_robot_config(args.robot)
     policy = load_policy(args.policy, control_hz=robot.rates.control_hz)
     results: list[dict[str, Any]] = []
@@ -170,6 +161,13 @@ def deploy(args: argparse.Namespace) -> int:
         node = PolicyNode(transport, robot, policy, instruction=args.instruction)
         recorder = _recorder(transport, robot, node.mapper, args.record, args.instruction) if args.record else None
         episode_pub = transport.publisher(robot.topics.episode, msg.String)
+        quit_requested = threading.Event()
+        if args.keys:
+            from robot.recorder import KeyControl
+
+            KeyControl(recorder, on_quit=quit_requested.set).start()
+            print("keys: space start/stop recording, s success, f failure, a abort, q quit", file=sys.stderr)
+        marks = recorder if recorder is not None and not args.keys else None  # who marks episodes: deploy or a person
         interrupted = False
         try:
             if not _sleep_until(lambda: node.safety.has_state, args.wait_robot):
@@ -184,6 +182,8 @@ def deploy(args: argparse.Namespace) -> int:
             if recorder is not None:
                 recorder.start()
             for episode in range(args.episodes):
+                if quit_requested.is_set():
+                    break
                 if episode > 0:
                     episode_pub.publish(msg.String(data="reset"))
                     time.sleep(0.5)  # the robot resets and publishes its new state and instruction
@@ -192,14 +192,14 @@ def deploy(args: argparse.Namespace) -> int:
                     # reset (its steps pair the old command with the new state), so drop it and start afresh.
                     recorder.mark("abort")
                 node.start_episode()
-                if recorder is not None:
-                    recorder.mark("start")
+                if marks is not None:
+                    marks.mark("start")
                 start = time.monotonic()
-                _sleep_until(lambda: bool(node.success), args.duration)
+                _sleep_until(lambda: bool(node.success) or quit_requested.is_set(), args.duration)
                 node.pause()
                 success = node.success  # None: nobody said (no success topic on this robot)
-                if recorder is not None:
-                    recorder.mark("stop" if success is None else ("success" if success else "failure"))
+                if marks is not None:
+                    marks.mark("stop" if success is None else ("success" if success else "failure"))
                 result = {
                     "event": "episode", "episode": episode, "success": success,
                     "seconds": round(time.monotonic() - start, 2), "instruction": node.instruction,
@@ -215,7 +215,7 @@ def deploy(args: argparse.Namespace) -> int:
                 recorder.close()  # an episode still open is committed as incomplete
         summary = {
             "event": "summary", "episodes": len(results), "successes": sum(bool(r["success"]) for r in results),
-            "interrupted": interrupted, **node.status(),
+            "interrupted": interrupted, "quit": quit_requested.is_set(), **node.status(),
         }
         if recorder is not None:
             summary["recorded"] = str(recorder.dataset_dir)

@@ -22,14 +22,28 @@ This folder is not a Python package (`launch` is ROS 2's own module name).
 """
 
 import os
+import sys
 
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
 
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "assets")
-DEFAULT_ROBOT = os.path.normpath(os.path.join(ASSETS, "robots", "sim_panda.yaml"))
+try:
+    from robot.transport.loopback import loopback_variables
+except ImportError:  # run from a checkout whose kinema is not installed in ROS 2's Python: use the checkout's
+    sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)))
+    from robot.transport.loopback import loopback_variables
+
+from robot.paths import assets_dir
+
+DEFAULT_ROBOT = str(assets_dir() / "robots" / "sim_panda.yaml")
+
+
+def _local_env(local: bool) -> dict:
+    """The node's environment additions: with local:=true, the network rule's pinned variables (the same ones
+    `--local` sets, from robot.transport.loopback), so that nothing the node or its rmw starts leaves this host."""
+    return loopback_variables() if local else {}
 
 
 def _deploy_node(context):
@@ -44,8 +58,10 @@ def _deploy_node(context):
     if arg("record"):
         arguments += ["--record", arg("record")]
     # kinema's own default is loopback-only DDS; a robot on the network needs the explicit opt-out.
-    arguments.append("--local" if arg("local").lower() == "true" else "--no-local")
-    return [Node(package="kinema", executable="kinema", name="kinema_deploy", arguments=arguments, output="screen")]
+    local = arg("local").lower() == "true"
+    arguments.append("--local" if local else "--no-local")
+    return [Node(package="kinema", executable="kinema", name="kinema_deploy", arguments=arguments, output="screen",
+                 additional_env=_local_env(local))]
 
 
 def generate_launch_description():
@@ -67,7 +83,7 @@ def generate_launch_description():
         ),
         DeclareLaunchArgument(
             "local", default_value="false", choices=["true", "false"],
-            description="pin DDS to this machine (loopback); for a sim robot on the same host",
+            description="keep all ROS 2 traffic on this machine (loopback, either backend); for a sim robot on the same host",
         ),
         OpaqueFunction(function=_deploy_node),
     ])

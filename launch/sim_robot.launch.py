@@ -4,33 +4,49 @@
     ros2 launch launch/sim_robot.launch.py task:=pick_place policy:=/path/to/checkpoint
 
 `kinema sim-robot` publishes /joint_states and the camera images and accepts forward-position and trajectory
-commands, like a ros2_control arm. With `policy:=...`, `kinema deploy` runs against it. Both default to loopback
-DDS (`local:=true`), so nothing leaves this machine.
+commands, like a ros2_control arm. With `policy:=...`, `kinema deploy` runs against it. Both default to
+`local:=true`: `--local` and the pinned environment (CycloneDDS loopback XML, ROS_LOCALHOST_ONLY=1,
+ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST) with either backend, rclpy included, so nothing leaves this machine.
 
 The executable is found through the ament index; see bridge.launch.py for the one-time registration.
 This folder is not a Python package (`launch` is ROS 2's own module name).
 """
 
 import os
+import sys
 
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
 
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "assets")
-DEFAULT_ROBOT = os.path.normpath(os.path.join(ASSETS, "robots", "sim_panda.yaml"))
+try:
+    from robot.transport.loopback import loopback_variables
+except ImportError:  # run from a checkout whose kinema is not installed in ROS 2's Python: use the checkout's
+    sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)))
+    from robot.transport.loopback import loopback_variables
+
+from robot.paths import assets_dir
+
+DEFAULT_ROBOT = str(assets_dir() / "robots" / "sim_panda.yaml")
+
+
+def _local_env(local: bool) -> dict:
+    """The node's environment additions: with local:=true, the network rule's pinned variables (the same ones
+    `--local` sets, from robot.transport.loopback), so that nothing the node or its rmw starts leaves this host."""
+    return loopback_variables() if local else {}
 
 
 def _nodes(context):
     def arg(name: str) -> str:
         return LaunchConfiguration(name).perform(context)
 
-    local = ["--local"] if arg("local").lower() == "true" else ["--no-local"]
-    common = ["--robot", arg("robot"), "--backend", arg("backend"), *local]
+    local = arg("local").lower() == "true"
+    common = ["--robot", arg("robot"), "--backend", arg("backend"), "--local" if local else "--no-local"]
+    env = _local_env(local)
     nodes = [
         Node(
-            package="kinema", executable="kinema", name="kinema_sim_robot", output="screen",
+            package="kinema", executable="kinema", name="kinema_sim_robot", output="screen", additional_env=env,
             arguments=["sim-robot", "--task", arg("task"), "--seed", arg("seed"), "--rate", arg("rate"), *common],
         )
     ]
@@ -39,7 +55,8 @@ def _nodes(context):
         if arg("record"):
             deploy += ["--record", arg("record")]
         nodes.append(
-            Node(package="kinema", executable="kinema", name="kinema_deploy", arguments=deploy, output="screen")
+            Node(package="kinema", executable="kinema", name="kinema_deploy", arguments=deploy, output="screen",
+                 additional_env=env)
         )
     return nodes
 
@@ -56,7 +73,7 @@ def generate_launch_description():
         DeclareLaunchArgument("rate", default_value="50", description="simulation and /joint_states rate in Hz"),
         DeclareLaunchArgument(
             "local", default_value="true", choices=["true", "false"],
-            description="pin DDS to this machine (loopback)",
+            description="keep all ROS 2 traffic on this machine (loopback), with either backend",
         ),
         DeclareLaunchArgument("policy", default_value="", description="checkpoint to deploy against it ('' = none)"),
         DeclareLaunchArgument("record", default_value="", description="folder for recorded episodes ('' = off)"),

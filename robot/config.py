@@ -24,6 +24,8 @@ import draccus
 import numpy as np
 import yaml
 
+from robot.paths import assets_dir
+
 CONTROLLER_TYPES = ("forward_position", "joint_trajectory")
 IMAGE_FORMATS = ("raw", "compressed")
 
@@ -256,13 +258,15 @@ def _check_keys(cls: type, data: Any, where: str, source: str) -> None:
                 raise ValueError(f"robot config key '{where}{key}' in {source}: expected a list, got {type(value).__name__}")
             for i, item in enumerate(value):
                 _check_keys(inner, item, f"{where}{key}[{i}].", source)
+                # Said here, where the index is known (the dataclass's own check cannot say which entry).
+                if "name" in {f.name for f in dataclasses.fields(inner)} and not item.get("name"):
+                    raise ValueError(f"robot config key '{where}{key}[{i}].name' in {source}: a non-empty name is "
+                                     f"required; got {item.get('name')!r}")
         else:
             _check_keys(inner, value, f"{where}{key}.", source)
 
 
 def robots_dir() -> Path:
-    from kinema.paths import assets_dir  # noqa: PLC0415 - kinema.paths is a leaf module with no kinema imports
-
     return assets_dir() / "robots"
 
 

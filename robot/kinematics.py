@@ -121,6 +121,10 @@ class ActionMapper:
     `action_space="joint"`: (n_arm + 1,) absolute arm joint targets plus the gripper action.
     """
 
+    # LeRobot feature names of `state()` and `to_action()`, as recorded deployment datasets declare them.
+    STATE_NAMES = ("ee_x", "ee_y", "ee_z", "ee_qw", "ee_qx", "ee_qy", "ee_qz", "gripper_opening")
+    ACTION_NAMES = ("dx", "dy", "dz", "drx", "dry", "drz", "gripper")
+
     def __init__(self, robot: RobotConfig, kinematics: Kinematics | None = None) -> None:
         self.robot = robot
         self.n_arm = len(robot.joints)

@@ -24,8 +24,10 @@ the joint states' header stamps when the robot stamps them, else from the contro
 A policy's optional `action_space` attribute is "ee_delta" (default, (7,) actions) or "joint" ((n_arm + 1,)
 absolute arm joint targets plus the gripper action).
 
-Malformed input (wrong lengths, missing joints, NaN, wrong image size, oversized payloads) is rejected, counted per
-reason in `node.rejected` and logged; the node keeps running.
+Malformed input (wrong lengths, missing joints, NaN, wrong image size, over-long joint lists, oversized compressed
+frames) is rejected by the checks in robot/inputs.py, counted per reason in `node.rejected` and logged (the first, then
+every 100th); the node keeps running. Samples over the DDS size cap (the loopback config's MaxSampleSize) are
+dropped by CycloneDDS before they reach Python.
 """
 
 from __future__ import annotations
@@ -35,16 +37,17 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import cv2
 import numpy as np
 
 from robot import messages as msg
 from robot.config import RobotConfig
+from robot.counters import Counters, RejectionLog
+from robot.inputs import InputRejected, decode_image, joint_positions
 from robot.kinematics import ActionMapper, Kinematics
 from robot.safety import SafetyDecision, SafetyLayer, SafetyLimits
 from robot.transport.base import QOS_DEFAULT, QOS_SENSOR, Transport
@@ -52,7 +55,6 @@ from robot.transport.base import QOS_DEFAULT, QOS_SENSOR, Transport
 log = logging.getLogger("kinema.robot")
 
 MAX_INSTRUCTION_CHARS = 1000
-MAX_COMPRESSED_BYTES = 8 * 1024 * 1024
 TELEOP_TIMEOUT_S = 0.5  # a teleop command older than this is not executed (the arm holds)
 
 
@@ -110,8 +112,17 @@ class InferenceWorker:
             if self._busy or self._job is not None:
                 return False
             self._job = (batch, tick, generation)
-            self._cv.notify()
+            self._cv.notify_all()
             return True
+
+    def while_idle(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run `fn` on the caller's thread once no prediction is running, with none starting until it returns; a
+        queued job is dropped (it was planned before whatever `fn` changes)."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: not self._busy, timeout):
+                raise RuntimeError(f"the policy's predict_action_chunk did not finish within {timeout} s")
+            self._job = None
+            return fn()
 
     def poll(self) -> _Result | None:
         with self._cv:
@@ -140,6 +151,7 @@ class InferenceWorker:
                 result = _Result(None, tick, generation, time.perf_counter() - start, f"{type(err).__name__}: {err}")
             with self._cv:
                 self._result, self._busy = result, False
+                self._cv.notify_all()  # while_idle() waits for this
 
     def close(self) -> None:
         with self._cv:
@@ -207,7 +219,7 @@ class PolicyNode:
         self._takeover = False
         self._handback = False
         self._teleop: tuple[str, np.ndarray, float] | None = None  # ("joint" | "joy", values, receive time)
-        self.rejected: Counter[str] = Counter()
+        self.rejected = RejectionLog(log)  # per reason; thread-safe, logs the first and every 100th
         self.success: bool | None = None
 
         # Owned by the control loop.
@@ -219,7 +231,7 @@ class PolicyNode:
         self._last_status_pub = -math.inf
         self._published_trajectory_for = -1
         self._chunk_serial = 0
-        self.stats: Counter[str] = Counter()
+        self.stats = Counters()  # updated by the tick (any thread) and read by status(): thread-safe
         self.last_decision: SafetyDecision | None = None
         self.was_taken_over = False
         self.paused = False
@@ -254,24 +266,13 @@ class PolicyNode:
 
     # ----- input callbacks (transport threads) -----------------------------------------------------------------------
     def _reject(self, reason: str, detail: str) -> None:
-        with self._lock:
-            self.rejected[reason] += 1
-            n = self.rejected[reason]
-        if n == 1 or n % 100 == 0:  # log the first of each kind, then every 100th: a flood must not flood the log
-            log.warning("rejected message (%s, %d so far): %s", reason, n, detail)
+        self.rejected.reject(reason, detail)
 
     def _on_joint_state(self, m: msg.JointState) -> None:
-        if len(m.name) != len(m.position):
-            return self._reject("joint_state_length", f"{len(m.name)} names but {len(m.position)} positions")
-        if len(set(m.name)) != len(m.name):
-            return self._reject("joint_state_duplicate_names", f"names {m.name}")
-        index = {n: i for i, n in enumerate(m.name)}
-        missing = [n for n in self.joint_names if n not in index]
-        if missing:
-            return self._reject("joint_state_missing_joints", f"missing {missing}; got {m.name[:20]}")
-        q = np.array([m.position[index[n]] for n in self.joint_names], np.float64)
-        if not np.isfinite(q).all():
-            return self._reject("joint_state_nonfinite", f"positions {q.tolist()}")
+        try:
+            q = joint_positions(m.name, m.position, self.joint_names)
+        except InputRejected as err:
+            return self._reject(f"joint_state_{err.reason}", f"{self.robot.topics.joint_states}: {err.detail}")
         now = self.clock()
         stamp = m.header.stamp.to_sec()
         with self._lock:
@@ -289,21 +290,9 @@ class PolicyNode:
     def _image_callback(self, cam) -> Callable[[Any], None]:
         def on_image(m: msg.Image | msg.CompressedImage) -> None:
             try:
-                if isinstance(m, msg.Image):
-                    if (m.height, m.width) != (cam.height, cam.width):
-                        return self._reject("image_size", f"camera {cam.name!r}: {m.width}x{m.height}, expected {cam.width}x{cam.height}")
-                    rgb = m.to_array()
-                else:
-                    if len(m.data) > MAX_COMPRESSED_BYTES:
-                        return self._reject("image_oversized", f"camera {cam.name!r}: {len(m.data)} bytes")
-                    bgr = cv2.imdecode(np.frombuffer(m.data, np.uint8), cv2.IMREAD_COLOR)
-                    if bgr is None:
-                        return self._reject("image_undecodable", f"camera {cam.name!r}: format {m.format!r}, {len(m.data)} bytes")
-                    if bgr.shape[:2] != (cam.height, cam.width):
-                        return self._reject("image_size", f"camera {cam.name!r}: {bgr.shape[1]}x{bgr.shape[0]}, expected {cam.width}x{cam.height}")
-                    rgb = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
-            except ValueError as err:
-                return self._reject("image_malformed", f"camera {cam.name!r}: {err}")
+                rgb = decode_image(m, (cam.height, cam.width))
+            except InputRejected as err:
+                return self._reject(f"image_{err.reason}", f"camera {cam.name!r} ({cam.topic}): {err.detail}")
             now = self.clock()
             with self._lock:
                 self._images[cam.name] = rgb
@@ -314,7 +303,10 @@ class PolicyNode:
     def _on_instruction(self, m: msg.String) -> None:
         text = m.data.strip()
         if not text or len(text) > MAX_INSTRUCTION_CHARS:
-            return self._reject("instruction_length", f"{len(text)} characters (expected 1..{MAX_INSTRUCTION_CHARS})")
+            return self._reject(
+                "instruction_length",
+                f"{self.robot.topics.instruction}: {len(text)} characters (expected 1..{MAX_INSTRUCTION_CHARS})",
+            )
         with self._lock:
             if text != self._instruction:
                 self._instruction, self._instruction_changed = text, True
@@ -330,7 +322,10 @@ class PolicyNode:
 
     def _on_teleop(self, m: msg.Float64MultiArray) -> None:
         if m.data.shape != (len(self.joint_names),):
-            return self._reject("teleop_length", f"{m.data.size} values; expected {len(self.joint_names)} ({self.joint_names})")
+            return self._reject(
+                "teleop_length",
+                f"{self.robot.topics.teleop}: {m.data.size} values; expected {len(self.joint_names)} ({self.joint_names})",
+            )
         if not np.isfinite(m.data).all():
             return self._reject("teleop_nonfinite", f"values {m.data.tolist()}")
         with self._lock:
@@ -338,7 +333,9 @@ class PolicyNode:
 
     def _on_joy(self, m: msg.Joy) -> None:
         if m.axes.size < 7 or m.axes.size > 64:
-            return self._reject("joy_axes", f"{m.axes.size} axes; expected 7..64 (0-5 EE delta, 6 gripper)")
+            return self._reject(
+                "joy_axes", f"{self.robot.topics.teleop_joy}: {m.axes.size} axes; expected 7..64 (0-5 EE delta, 6 gripper)"
+            )
         axes = m.axes[:7].astype(np.float64)
         if not np.isfinite(axes).all():
             return self._reject("joy_nonfinite", f"axes {axes.tolist()}")
@@ -387,16 +384,20 @@ class PolicyNode:
 
     # ----- the control tick ------------------------------------------------------------------------------------------------
     def start_episode(self) -> None:
-        """A new episode: the policy restarts (reset, fresh chunk from the current state), time restarts at 0."""
-        self._restart_chunk()
-        self.policy.reset()
-        self._episode_tick = self.tick_count
-        self.paused = False
-        self.was_taken_over = False
-        with self._lock:
-            self.success = None
-            self._episode_stamp = self._q_stamp
-            self.safety.forget_command()  # the robot may have been reset: step bounds start from the measured state
+        """A new episode: the policy restarts (reset, fresh chunk from the current state), time restarts at 0.
+
+        Under the tick lock (no tick can refill the queue from a chunk planned before), and the policy is reset only
+        while the inference worker is idle (never during its predict_action_chunk)."""
+        with self._tick_lock:
+            self._restart_chunk()
+            self.worker.while_idle(self.policy.reset)
+            self._episode_tick = self.tick_count
+            self.paused = False
+            self.was_taken_over = False
+            with self._lock:
+                self.success = None
+                self._episode_stamp = self._q_stamp
+                self.safety.forget_command()  # the robot may have been reset: step bounds start from the measured state
 
     def _restart_chunk(self) -> None:
         """Drop the queued and in-flight chunks: the next one is planned from the current state."""
@@ -404,11 +405,14 @@ class PolicyNode:
         self._queue.clear()
 
     def pause(self) -> None:
-        """Stop commanding (between episodes): ticks publish nothing until `resume()` or `start_episode()`."""
-        self.paused = True
+        """Stop commanding (between episodes): ticks publish nothing until `resume()` or `start_episode()`. A tick
+        in progress finishes first; none publishes after this returns."""
+        with self._tick_lock:
+            self.paused = True
 
     def resume(self) -> None:
-        self.paused = False
+        with self._tick_lock:
+            self.paused = False
 
     def tick(self, now: float | None = None) -> SafetyDecision | None:
         """One control step: choose a command (policy or human), pass it through safety, publish. Never blocks.
@@ -420,7 +424,7 @@ class PolicyNode:
         try:
             self.tick()
         except Exception:  # noqa: BLE001 - log and keep controlling; the safety layer holds on missing commands
-            self.stats["tick_errors"] += 1
+            self.stats.add("tick_errors")
             log.exception("control tick failed")
 
     def _tick(self, now: float | None) -> SafetyDecision | None:
@@ -434,7 +438,7 @@ class PolicyNode:
             teleop, q = self._teleop, self._q
         if handback or changed:
             self._restart_chunk()  # hand-back: the policy's next chunk starts from the state the human left
-            self.stats["handbacks" if handback else "instruction_changes"] += 1
+            self.stats.add("handbacks" if handback else "instruction_changes")
 
         # 1. Take a finished chunk: actions planned for ticks that have passed are skipped.
         result = self.worker.poll()
@@ -459,10 +463,10 @@ class PolicyNode:
                 try:
                     command = self.mapper.to_command(action, q[: self.n_arm], self.action_space)
                 except ValueError as err:
-                    self.stats["bad_actions"] += 1
+                    self.stats.add("bad_actions")
                     log.warning("policy action rejected: %s", err)
             elif q is not None:
-                self.stats["starved_ticks"] += 1
+                self.stats.add("starved_ticks")
 
         # 3. Safety, then the wire.
         with self._lock:
@@ -472,7 +476,7 @@ class PolicyNode:
         if not takeover:
             self._maybe_request(tick, popped)
         self.last_decision = decision
-        self.stats[f"source_{'human' if takeover else 'policy'}"] += 1
+        self.stats.add(f"source_{'human' if takeover else 'policy'}")
         self.tick_count += 1
         if now - self._last_status_pub >= self.status_period_s:
             self._last_status_pub = now
@@ -481,17 +485,17 @@ class PolicyNode:
 
     def _take(self, result: _Result, tick: int) -> None:
         if result.error:
-            self.stats["policy_errors"] += 1
-            if self.stats["policy_errors"] == 1 or self.stats["policy_errors"] % 100 == 0:
-                log.error("policy inference failed (%d times so far; the arm holds): %s", self.stats["policy_errors"], result.error)
+            n = self.stats.add("policy_errors")
+            if n == 1 or n % 100 == 0:
+                log.error("policy inference failed (%d times so far; the arm holds): %s", n, result.error)
             return
         if result.generation != self._generation:
-            self.stats["discarded_chunks"] += 1  # planned before a hand-back or a new instruction
+            self.stats.add("discarded_chunks")  # planned before a hand-back or a new instruction
             return
         self._latency_ema = result.seconds if self._latency_ema is None else 0.8 * self._latency_ema + 0.2 * result.seconds
         dim = self.mapper.action_dim(self.action_space)
         if result.chunk.shape[1] != dim:
-            self.stats["bad_actions"] += 1
+            self.stats.add("bad_actions")
             log.error("policy chunk has action dim %d; the %s action space needs %d", result.chunk.shape[1], self.action_space, dim)
             return
         # Planned for ticks result.tick, result.tick + 1, ...; action 0 is always in the past by now, so a chunk runs
@@ -499,11 +503,11 @@ class PolicyNode:
         plan = [(result.tick + i, result.chunk[i]) for i in range(1, min(len(result.chunk), 1 + self.n_action_steps))]
         plan = [(t, a) for t, a in plan if t >= tick]
         if not plan:
-            self.stats["late_chunks"] += 1
+            self.stats.add("late_chunks")
             return
         self._queue = deque(plan)
         self._chunk_serial += 1
-        self.stats["chunks"] += 1
+        self.stats.add("chunks")
 
     def _maybe_request(self, tick: int, popped: int) -> None:
         # Ask for the next chunk while `prefetch` actions remain (counting the one this tick executed), so that it
@@ -515,21 +519,21 @@ class PolicyNode:
         if batch is None:
             return
         if self.worker.submit(batch, tick, self._generation):
-            self.stats["requests"] += 1
+            self.stats.add("requests")
 
     def _publish(self, decision: SafetyDecision, tick: int, takeover: bool) -> None:
         if decision.command is None:
             return
         if self.robot.controller.type == "forward_position":
             self._cmd_pub.publish(msg.Float64MultiArray(data=decision.command))
-            self.stats["commands_published"] += 1
+            self.stats.add("commands_published")
             return
         # joint_trajectory: a JointTrajectoryController runs a chunk by itself. Publish the rest of the chunk when it
         # starts (or after a hold); an empty trajectory on a hold stops it where it is (ros2_controllers semantics).
         if decision.holding:
             self._cmd_pub.publish(msg.JointTrajectory(joint_names=list(self.joint_names)))
             self._published_trajectory_for = -1
-            self.stats["trajectories_published"] += 1
+            self.stats.add("trajectories_published")
             return
         if not takeover and self._published_trajectory_for == self._chunk_serial:
             return  # this chunk's trajectory is running
@@ -539,8 +543,7 @@ class PolicyNode:
         if not takeover and q is not None:
             arm = decision.command[: self.n_arm]
             for _, action in list(self._queue):
-                nxt = self.mapper.to_command(action, arm, self.action_space)
-                nxt = self._preview(points[-1], nxt)
+                nxt = self.safety.preview(points[-1], self.mapper.to_command(action, arm, self.action_space))
                 if nxt is None:
                     break
                 points.append(nxt)
@@ -554,17 +557,7 @@ class PolicyNode:
         )
         self._cmd_pub.publish(traj)
         self._published_trajectory_for = -1 if takeover else self._chunk_serial
-        self.stats["trajectories_published"] += 1
-
-    def _preview(self, previous: np.ndarray, nxt: np.ndarray) -> np.ndarray | None:
-        """The safety layer's limit, step and workspace rules on a planned point (no state change); None stops."""
-        lim = self.safety.limits
-        if not np.isfinite(nxt).all():
-            return None
-        point = np.clip(np.clip(nxt, lim.lower, lim.upper), previous - lim.max_step, previous + lim.max_step)
-        if self.safety.ee_position is not None and self.safety.outside_distance(self.safety.ee_position(point)) > 0:
-            return None
-        return point
+        self.stats.add("trajectories_published")
 
     # ----- threads ------------------------------------------------------------------------------------------------------
     def start(self) -> PolicyNode:
@@ -590,7 +583,7 @@ class PolicyNode:
                 if delay > 0:
                     self._stop.wait(delay)
                 else:  # late: tick now and re-anchor, never burst (bursts would hit the bounded command rate)
-                    self.stats["late_ticks"] += 1
+                    self.stats.add("late_ticks")
                     next_t = time.monotonic()
             if self._stop.is_set():
                 break
@@ -621,7 +614,7 @@ class PolicyNode:
         d = self.last_decision
         with self._lock:
             safety = self.safety.summary()
-            rejected = dict(self.rejected)
+            rejected = self.rejected.snapshot()
             takeover = self._takeover
         return {
             "tick": self.tick_count,
@@ -629,7 +622,7 @@ class PolicyNode:
             "reason": d.reason if d else "",
             "takeover": takeover,
             "inference_ms": None if self._latency_ema is None else round(self._latency_ema * 1e3, 2),
-            "stats": dict(self.stats),
+            "stats": self.stats.snapshot(),
             "rejected": rejected,
             "safety": safety,
         }

@@ -64,7 +64,6 @@ import threading
 import time
 import uuid
 import zlib
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,8 +82,10 @@ from diffusion_rl.data import (
     mark_failure_inducing,
 )
 from robot import messages as M
+from robot.counters import RejectionLog
+from robot.inputs import InputRejected, decode_image, joint_positions
 from robot.mcap_ros2 import INCOMPLETE_SUFFIX, MCAP_SUFFIX, RECORDING_SUFFIX, McapRos2Writer, mcap_is_complete
-from robot.transport.base import QOS_DEFAULT, QOS_LATCHED, QOS_SENSOR, Subscription, Transport, check_topic
+from robot.transport.base import QOS_DEFAULT, QOS_SENSOR, Subscription, Transport, check_topic
 
 log = logging.getLogger("kinema.recorder")
 
@@ -152,13 +153,21 @@ class RecorderConfig:
         self.cameras = [c if isinstance(c, CameraTopic) else CameraTopic(**c) for c in self.cameras]
         if not self.joint_names or len(set(self.joint_names)) != len(self.joint_names):
             raise ValueError(f"RecorderConfig.joint_names: expected distinct joint names; got {self.joint_names!r}")
-        topics = [self.state_topic, self.command_topic, self.takeover_topic, self.episode_topic,
-                  self.instruction_topic, *(c.topic for c in self.cameras)]
-        topics += [self.success_topic] if self.success_topic else []
-        for topic in topics:
-            check_topic(topic)
-        if len(set(topics)) != len(topics):
-            raise ValueError(f"RecorderConfig: every topic must be distinct; got {topics}")
+        fields = {name: getattr(self, name) for name in ("state_topic", "command_topic", "takeover_topic",
+                                                          "episode_topic", "instruction_topic", "success_topic")}
+        fields.update({f"cameras[{i}].topic": c.topic for i, c in enumerate(self.cameras)})
+        if not self.success_topic:
+            del fields["success_topic"]
+        seen: dict[str, str] = {}
+        for name, topic in fields.items():
+            try:
+                check_topic(topic)
+            except ValueError as err:
+                raise ValueError(f"RecorderConfig.{name}: {err}") from None
+            if topic in seen:
+                raise ValueError(f"RecorderConfig.{name} and RecorderConfig.{seen[topic]} are both {topic!r}; "
+                                 "every topic must be distinct")
+            seen[topic] = name
         names = [c.name for c in self.cameras]
         if len(set(names)) != len(names) or any(not n or "/" in n or "." in n for n in names):
             raise ValueError(f"RecorderConfig.cameras: expected distinct names without '.' or '/'; got {names}")
@@ -179,8 +188,11 @@ class RecorderConfig:
                     raise ValueError(f"RecorderConfig.{name}: expected (height, width), even and >= 2 (H.264 "
                                      f"yuv420p needs even sizes); got {getattr(self, name)!r}")
                 setattr(self, name, value)
-        if self.failure_window < 0 or self.max_steps < 0 or self.max_age_s <= 0:
-            raise ValueError("RecorderConfig: failure_window >= 0, max_steps >= 0 and max_age_s > 0 are required")
+        for name, ok, expected in (("failure_window", self.failure_window >= 0, ">= 0"),
+                                   ("max_steps", self.max_steps >= 0, ">= 0 (0: no limit)"),
+                                   ("max_age_s", self.max_age_s > 0, "> 0 seconds")):
+            if not ok:
+                raise ValueError(f"RecorderConfig.{name} must be {expected}; got {getattr(self, name)!r}")
 
     @classmethod
     def from_robot(cls, robot: Any, **overrides: Any) -> RecorderConfig:
@@ -404,8 +416,9 @@ class EpisodeRecorder:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.out_dir = config, Path(out_dir)
         self.state_fn, self.action_fn, self.clock = state_fn, action_fn, clock
-        self.rejections: Counter[str] = Counter()  # category -> count of rejected messages / skipped samples
-        self.last_reason: dict[str, str] = {}  # category -> the latest reason, in words
+        # category -> count of rejected messages / skipped samples; logs the first and every 100th
+        self.rejections = RejectionLog(log, "recorder rejected")
+        self.last_reason = self.rejections.last_reason  # category -> the latest reason, in words
         self.episodes: list[RecordedEpisode] = []  # written in this session
         self.errors: list[str] = []
         self._lock = threading.RLock()
@@ -448,9 +461,11 @@ class EpisodeRecorder:
             transport.subscribe(cfg.command_topic,
                                 M.Float64MultiArray if cfg.command_type == "forward_position" else M.JointTrajectory,
                                 self._on_command, QOS_DEFAULT),
-            transport.subscribe(cfg.takeover_topic, M.Bool, self._on_takeover, QOS_LATCHED),
+            # Volatile, like the policy node's: a transient-local subscription would not match an ordinary
+            # (volatile) takeover publisher, and the human's steps would be recorded as the policy's.
+            transport.subscribe(cfg.takeover_topic, M.Bool, self._on_takeover, QOS_DEFAULT),
             transport.subscribe(cfg.episode_topic, M.String, self._on_episode, QOS_DEFAULT),
-            transport.subscribe(cfg.instruction_topic, M.String, self._on_instruction, QOS_LATCHED),
+            transport.subscribe(cfg.instruction_topic, M.String, self._on_instruction, QOS_DEFAULT),
         ]
         for cam in cfg.cameras:
             self._subs.append(transport.subscribe(
@@ -703,20 +718,11 @@ class EpisodeRecorder:
     def _on_state(self, msg: M.JointState) -> None:
         with self._lock:
             self._received(self.config.state_topic, msg)
-            names = list(msg.name)
-            if len(names) != len(msg.position):
-                return self._reject("joint_states", f"{len(names)} names but {len(msg.position)} positions")
-            if len(set(names)) != len(names):
-                return self._reject("joint_states", f"duplicate joint names in {names}")
-            missing = [n for n in self.config.joint_names if n not in names]
-            unknown = [n for n in names if n not in self._joint_index]
-            if missing or (unknown and not self.config.allow_extra_joints):
-                return self._reject("joint_states", f"unknown joint names {unknown}, missing {missing}; expected "
-                                                    f"{self.config.joint_names}")
-            index = {n: i for i, n in enumerate(names)}
-            positions = np.asarray([msg.position[index[n]] for n in self.config.joint_names], np.float64)
-            if not np.isfinite(positions).all():
-                return self._reject("joint_states", f"non-finite joint positions {positions.tolist()}")
+            try:
+                positions = joint_positions(msg.name, msg.position, self.config.joint_names,
+                                            allow_extra=self.config.allow_extra_joints)
+            except InputRejected as err:
+                return self._reject("joint_states", err.detail)
             self._state = (positions, self.clock())
 
     def _on_image(self, cam: CameraTopic, msg: M.Image | M.CompressedImage) -> None:
@@ -729,24 +735,10 @@ class EpisodeRecorder:
             self._images[cam.name] = (frame, self.clock())
 
     def _decode(self, cam: CameraTopic, msg: M.Image | M.CompressedImage) -> np.ndarray:
-        if isinstance(msg, M.CompressedImage):
-            import cv2
-
-            bgr = cv2.imdecode(np.frombuffer(msg.data, np.uint8), cv2.IMREAD_COLOR) if msg.data else None
-            if bgr is None:
-                raise ValueError(f"undecodable {msg.format or 'compressed'} image of {len(msg.data)} bytes")
-            frame = np.ascontiguousarray(bgr[..., ::-1])
-        else:
-            expected = cam.size or self.config.image_size or self._image_size.get(cam.name)
-            # Check the size before decoding: a mismatched (possibly huge) payload is never copied.
-            if expected is not None and (msg.height, msg.width) != tuple(expected):
-                raise ValueError(f"image size {msg.height}x{msg.width}, expected {expected[0]}x{expected[1]}")
-            frame = msg.to_array()
-        size = (frame.shape[0], frame.shape[1])
-        expected = cam.size or self.config.image_size or self._image_size.setdefault(cam.name, size)
-        if size != tuple(expected):
-            raise ValueError(f"image size {size[0]}x{size[1]}, expected {expected[0]}x{expected[1]}")
-        if self.config.resize is not None and size != self.config.resize:
+        # The size a frame must have: configured, else the one this camera's first frame set.
+        frame = decode_image(msg, cam.size or self.config.image_size or self._image_size.get(cam.name))
+        self._image_size.setdefault(cam.name, (frame.shape[0], frame.shape[1]))
+        if self.config.resize is not None and frame.shape[:2] != self.config.resize:
             import cv2
 
             frame = cv2.resize(frame, self.config.resize[::-1], interpolation=cv2.INTER_AREA)
@@ -829,11 +821,7 @@ class EpisodeRecorder:
         return None
 
     def _reject(self, category: str, reason: str) -> None:
-        self.rejections[category] += 1
-        self.last_reason[category] = reason
-        count = self.rejections[category]
-        if count == 1 or count % 100 == 0:  # say it, without flooding the log at the control rate
-            log.warning("recorder rejected %s (%d so far): %s", category, count, reason)
+        self.rejections.reject(category, reason)
 
     def _error(self, message: str) -> None:
         self.errors.append(message)
@@ -933,6 +921,18 @@ def _recover(out_dir: Path, writer: LeRobotDatasetWriter) -> RecoveryReport:
     return report
 
 
+def pending_spools(path: str | Path) -> list[Path]:
+    """Spools an interrupted recorder left behind: episodes that are NOT in the dataset until `recover` commits them.
+
+    `path` is a recording folder (`kinema deploy --record DIR`) or its `dataset/` folder. Readers of the dataset
+    (`kinema train --dataset`) call this to warn instead of silently training without the crashed episode.
+    """
+    path = Path(path)
+    root = path.parent if path.name == DATASET_DIR else path
+    spool_dir = root / SPOOL_DIR
+    return sorted(spool_dir.glob("*.spool")) if spool_dir.is_dir() else []
+
+
 # ------------------------------------------------------------------------------------------------------- keypresses
 class KeyControl:
     """Episode control from the keyboard: space starts/stops, s = success, f = failure, a = abort, q = quit.
@@ -990,5 +990,5 @@ class KeyControl:
 
 __all__ = [
     "COMMAND_TYPES", "EPISODE_EVENTS", "CameraTopic", "EpisodeRecorder", "KeyControl", "RecordedEpisode",
-    "RecorderConfig", "RecoveryReport", "segments_from_takeovers",
+    "RecorderConfig", "RecoveryReport", "pending_spools", "segments_from_takeovers",
 ]

@@ -10,10 +10,13 @@ Rules, checked in this order each control tick (`SafetyLayer.filter`):
 7. joint position limits: clip;
 8. max joint step per tick, relative to the last published command (the measured position before the first): clip;
 9. EE workspace box (FK of the command): hold if the command leaves the box, unless it brings an arm that is
-   already outside closer to it.
+   already outside closer to it;
+10. joint position limits again, last: nothing outside [lower, upper] is ever published. When the step reference
+   (a measured position) lies outside the limits, the limits win over the step bound.
 
-"Hold" publishes the last safe command again (the measured position if none was sent yet), so a position controller
-stays where it is; the decision carries the status and a reason a person can read. Counters count every status.
+"Hold" publishes the last safe command again (the measured position, clipped to the limits, if none was sent yet),
+so a position controller stays where it is; the decision carries the status and a reason a person can read.
+Counters count every status.
 """
 
 from __future__ import annotations
@@ -154,9 +157,10 @@ class SafetyLayer:
         return None if self._last_command is None else self._last_command.copy()
 
     def hold_target(self) -> np.ndarray | None:
-        if self._last_command is not None:
-            return self._last_command.copy()
-        return None if self._state is None else self._state.copy()
+        """What a hold publishes: the last command, else the measured position; always inside the joint limits (an
+        arm measured just past a limit is held at the limit, never commanded further out)."""
+        target = self._last_command if self._last_command is not None else self._state
+        return None if target is None else np.clip(target, self.limits.lower, self.limits.upper)
 
     # ----- the filter ------------------------------------------------------------------------------------------------
     def filter(self, command: np.ndarray | None, now: float) -> SafetyDecision:
@@ -211,9 +215,9 @@ class SafetyLayer:
         reasons = []
         if (clipped != cmd).any():
             reasons.append(f"joint limits at {np.flatnonzero(clipped != cmd).tolist()}")
-        # 8. Step bound, from the last command (or the measured position).
+        # 8. Step bound, from the last command (or the measured position), then 10. the limits as the final word.
         reference = self._last_command if self._last_command is not None else self._state
-        stepped = np.clip(clipped, reference - lim.max_step, reference + lim.max_step)
+        stepped = np.clip(np.clip(clipped, reference - lim.max_step, reference + lim.max_step), lim.lower, lim.upper)
         if (stepped != clipped).any():
             reasons.append(f"step bound at {np.flatnonzero(stepped != clipped).tolist()}")
         # 9. Workspace box.
@@ -224,6 +228,21 @@ class SafetyLayer:
         if reasons:
             return SafetyDecision(stepped, SafetyStatus.CLIPPED, "; ".join(reasons))
         return SafetyDecision(stepped, SafetyStatus.OK)
+
+    def preview(self, previous: np.ndarray, command: np.ndarray) -> np.ndarray | None:
+        """Rules 6-10 on a planned point after `previous` (a trajectory's next point), changing no state: the point
+        clipped to the limits and the step bound, or None where the plan must stop (non-finite, wrong length, or
+        outside the workspace box)."""
+        lim = self.limits
+        cmd = np.asarray(command, np.float64).reshape(-1)
+        if cmd.shape != lim.lower.shape or not np.isfinite(cmd).all():
+            return None
+        prev = np.asarray(previous, np.float64)
+        point = np.clip(np.clip(np.clip(cmd, lim.lower, lim.upper), prev - lim.max_step, prev + lim.max_step),
+                        lim.lower, lim.upper)
+        if self.ee_position is not None and self.outside_distance(self.ee_position(point)) > 0:
+            return None
+        return point
 
     def outside_distance(self, ee: np.ndarray) -> float:
         """Distance (m) from `ee` to the workspace box; 0 inside, inf for a non-finite position."""

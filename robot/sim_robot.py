@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from typing import Any
 
 import cv2
@@ -32,6 +31,7 @@ import numpy as np
 import sim.tasks
 from robot import messages as msg
 from robot.config import RobotConfig
+from robot.counters import Counters, RejectionLog
 from robot.transport.base import QOS_DEFAULT, QOS_LATCHED, QOS_SENSOR, Transport
 
 log = logging.getLogger("kinema.sim_robot")
@@ -79,12 +79,15 @@ class SimRobotNode:
         self.substeps = max(1, int(round(1.0 / (state_hz * self.dt))))
         self.camera_every = max(1, int(round(1.0 / (camera_hz * self.substeps * self.dt))))
         self.seed = seed
-        self.counters: Counter[str] = Counter()
+        # Updated by the physics thread and the transport's: thread-safe. Rejections count as rejected_<reason>.
+        self.counters = Counters()
+        self._rejections = RejectionLog(log, "rejected command")
         self.success = False
         self.instruction = ""
 
         self._lock = threading.Lock()
         self._pending_ctrl: np.ndarray | None = None
+        self._hold_request = False  # an empty trajectory: hold where the arm is (read on the physics thread)
         self._trajectory: tuple[float, np.ndarray, list[tuple[float, np.ndarray]], np.ndarray] | None = None
         self._reset_request: int | None = None
         self._stop = threading.Event()
@@ -112,24 +115,23 @@ class SimRobotNode:
         self.env.reset(seed=self.seed)
         self.instruction = self.env.task
         with self._lock:
-            self._pending_ctrl, self._trajectory = None, None
+            self._pending_ctrl, self._trajectory, self._hold_request = None, None, False
         self.success = False
-        self.counters["resets"] += 1
+        self.counters.add("resets")
         self._instruction_pub.publish(msg.String(data=self.instruction))
         log.info("episode: task %s seed %d: %s", self.task_name, self.seed, self.instruction)
 
     # ----- command callbacks (transport threads) -------------------------------------------------------------------------
     def _reject(self, reason: str, detail: str) -> None:
-        self.counters[f"rejected_{reason}"] += 1
-        if self.counters[f"rejected_{reason}"] == 1:
-            log.warning("rejected command (%s): %s", reason, detail)
+        self._rejections.reject(reason, detail)
+        self.counters.add(f"rejected_{reason}")
 
     def _on_command(self, m: msg.Float64MultiArray) -> None:
         if m.data.shape != (len(self.joint_names),) or not np.isfinite(m.data).all():
             return self._reject("command", f"{m.data.size} values (expected {len(self.joint_names)} finite: {self.joint_names})")
         with self._lock:
-            self._pending_ctrl, self._trajectory = m.data.copy(), None
-        self.counters["commands"] += 1
+            self._pending_ctrl, self._trajectory, self._hold_request = m.data.copy(), None, False
+        self.counters.add("commands")
 
     def _on_trajectory(self, m: msg.JointTrajectory) -> None:
         unknown = [n for n in m.joint_names if n not in self.joint_names]
@@ -144,12 +146,12 @@ class SimRobotNode:
         if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
             return self._reject("trajectory_time", "time_from_start must increase")
         with self._lock:
-            if not points:  # empty trajectory: stop where the arm is
-                self._pending_ctrl = self.data.qpos[self._qpos_idx].copy()
-                self._trajectory = None
+            if not points:  # empty trajectory: stop where the arm is (qpos is read by the physics thread, not here)
+                self._pending_ctrl, self._trajectory, self._hold_request = None, None, True
             else:
                 self._trajectory = (None, np.array(cols), points, np.zeros(0))  # started by the physics thread
-        self.counters["trajectories"] += 1
+                self._hold_request = False
+        self.counters.add("trajectories")
 
     def _on_episode(self, m: msg.String) -> None:
         words = m.data.strip().split()
@@ -165,11 +167,13 @@ class SimRobotNode:
     # ----- physics --------------------------------------------------------------------------------------------------------
     def _apply_commands(self) -> None:
         with self._lock:
-            pending, traj = self._pending_ctrl, self._trajectory
-            self._pending_ctrl = None
+            pending, traj, hold = self._pending_ctrl, self._trajectory, self._hold_request
+            self._pending_ctrl, self._hold_request = None, False
             if traj is not None and traj[0] is None:  # a new trajectory starts from the current targets
                 traj = (self.sim_time, traj[1], traj[2], self.data.ctrl[self._act_idx[traj[1]]].copy())
                 self._trajectory = traj
+        if hold:  # read here, on the physics thread, never while mj_step runs
+            pending = self.data.qpos[self._qpos_idx].copy()
         if pending is not None:
             self.data.ctrl[self._act_idx] = np.clip(pending, self._ctrl_lo, self._ctrl_hi)
         if traj is not None:
@@ -193,8 +197,7 @@ class SimRobotNode:
         self._apply_commands()
         mujoco.mj_step(self.model, self.data, nstep=self.substeps)
         self.sim_time += self.substeps * self.dt
-        n = self.counters["state_ticks"]
-        self.counters["state_ticks"] += 1
+        n = self.counters.add("state_ticks") - 1
         self.publish_state()
         success = bool(self.env.is_success())
         if success != self.success or n % 10 == 0:
@@ -232,7 +235,7 @@ class SimRobotNode:
             else:
                 ok, jpg = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 95])
                 pub.publish(msg.CompressedImage(header=header, format="jpeg", data=jpg.tobytes()))
-        self.counters["frames"] += 1
+        self.counters.add("frames")
 
     # ----- threads ---------------------------------------------------------------------------------------------------------
     def start(self) -> SimRobotNode:
@@ -249,14 +252,14 @@ class SimRobotNode:
             try:
                 self.step()
             except Exception:  # noqa: BLE001 - keep the robot alive; a bad step is logged and counted
-                self.counters["step_errors"] += 1
+                self.counters.add("step_errors")
                 log.exception("sim step failed")
             k += 1
             delay = t0 + k * period - time.monotonic()
             if delay > 0:
                 self._stop.wait(delay)
             elif delay < -0.2:  # more than 200 ms behind real time (a loaded machine): resynchronise, and count it
-                self.counters["realtime_resyncs"] += 1
+                self.counters.add("realtime_resyncs")
                 t0, k = time.monotonic(), 0
         self._close_renderer()  # a GL context is released on the thread that made it current
 

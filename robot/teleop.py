@@ -21,6 +21,7 @@ import numpy as np
 
 from robot import messages as msg
 from robot.config import RobotConfig, load_robot_config
+from robot.inputs import InputRejected, joint_positions
 from robot.transport.base import QOS_LATCHED, Transport
 
 MOTIONS = ("hold", "lift")
@@ -58,10 +59,12 @@ class ScriptedTeleop:
         self._sub = transport.subscribe(robot.topics.joint_states, msg.JointState, self._on_state)
 
     def _on_state(self, m: msg.JointState) -> None:
-        index = {n: i for i, n in enumerate(m.name)}
-        if len(m.name) == len(m.position) and all(n in index for n in self.joint_names):
-            with self._lock:
-                self._q = np.array([m.position[index[n]] for n in self.joint_names])
+        try:
+            q = joint_positions(m.name, m.position, self.joint_names)
+        except InputRejected:
+            return  # the node counts and logs bad states; a scripted person just waits for a good one
+        with self._lock:
+            self._q = q
 
     def set_takeover(self, active: bool, t: float) -> None:
         self._takeover_pub.publish(msg.Bool(data=active))

@@ -1,8 +1,8 @@
 """The ROS 2 launch files, checked without ROS: stub `launch` / `launch_ros` modules record what the files build.
 
 Each file must define generate_launch_description(); every argument is declared with a description (and a default
-inside its choices); every Node runs kinema's console script with a known subcommand and flags that kinema's own
-argparse parser accepts (or, before the CLI has the subcommand, flags from the documented list).
+inside its choices); every Node runs kinema's console script with a subcommand and flags that kinema's own argparse
+parser accepts, and a node launched with local:=true gets the network rule's pinned environment.
 """
 
 import argparse
@@ -14,15 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from robot.transport.loopback import loopback_variables
+
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_FILES = sorted((REPO / "launch").glob("*.launch.py"))
 
-# The documented flags, used only while kinema.cli has not got the subcommand yet.
-DOCUMENTED_FLAGS = {
-    "deploy": {"--policy", "--robot", "--backend", "--local", "--record", "--instruction"},
-    "sim-robot": {"--task", "--robot", "--backend", "--local", "--seed", "--rate"},
-}
-BOOLEAN_FLAGS = {"--local"}
+ROBOT_COMMANDS = {"deploy", "sim-robot"}
 
 # launch_ros.actions.Node's own keywords, then the ExecuteProcess ones it forwards.
 NODE_KWARGS = {
@@ -128,30 +125,20 @@ def _nodes(description: LaunchDescription, configs: dict) -> list[Node]:
 
 
 def _cli_subcommands() -> dict[str, argparse.ArgumentParser]:
-    try:
-        from kinema.cli import build_parser
-    except ImportError:
-        return {}
+    from kinema.cli import build_parser
+
     for action in build_parser()._actions:
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
-    return {}
+    raise AssertionError("kinema.cli has no subcommands")
 
 
-def _check_arguments(arguments: list) -> None:
+def _check_arguments(arguments: list) -> argparse.Namespace:
     assert arguments and all(isinstance(a, str) for a in arguments), arguments
     command, rest = arguments[0], arguments[1:]
-    assert command in DOCUMENTED_FLAGS, f"unknown kinema subcommand {command!r}"
-    subparser = _cli_subcommands().get(command)
-    if subparser is not None:
-        subparser.parse_args(rest)  # argparse exits (SystemExit) on an unknown flag or a bad value
-        return
-    i = 0
-    while i < len(rest):
-        flag = rest[i]
-        assert flag in DOCUMENTED_FLAGS[command], f"{command}: unknown flag {flag!r}"
-        i += 1 if flag in BOOLEAN_FLAGS else 2
-        assert i <= len(rest), f"{command}: flag {flag!r} has no value"
+    assert command in ROBOT_COMMANDS, f"unexpected kinema subcommand {command!r}"
+    subparser = _cli_subcommands()[command]
+    return subparser.parse_args(rest)  # argparse exits (SystemExit) on an unknown flag or a bad value
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -194,12 +181,16 @@ def test_launch_file_declares_documented_arguments_and_runs_valid_kinema_command
             kw = node.kwargs
             assert kw.get("package") == "kinema" and kw["executable"] in scripts, kw
             assert kw.get("parameters") in (None, []) or all(isinstance(p, (dict, str)) for p in kw["parameters"])
-            _check_arguments(kw["arguments"])
+            parsed = _check_arguments(kw["arguments"])
             seen_commands.add(kw["arguments"][0])
+            env = kw.get("additional_env") or {}
             if configs.get("local") == "true":
-                assert "--local" in kw["arguments"]
+                assert "--local" in kw["arguments"] and parsed.local
+                # The rclpy path too: rmw reads these when the node's context is created.
+                assert env == loopback_variables(), env
             if configs.get("local") == "false":
-                assert "--local" not in kw["arguments"] and "--no-local" in kw["arguments"]
+                assert "--local" not in kw["arguments"] and "--no-local" in kw["arguments"] and not parsed.local
+                assert not env
     expected = {"bridge.launch.py": {"deploy"}, "sim_robot.launch.py": {"sim-robot", "deploy"}}[path.name]
     assert seen_commands == expected
 
@@ -211,6 +202,7 @@ def test_sim_robot_launch_runs_the_policy_only_when_one_is_given(load):
     assert [n.kwargs["arguments"][0] for n in alone] == ["sim-robot"]
     args = alone[0].kwargs["arguments"]
     assert args[args.index("--task") + 1] == "pick_place" and "--local" in args  # loopback by default
+    assert alone[0].kwargs["additional_env"]["ROS_LOCALHOST_ONLY"] == "1"
     both = _nodes(description, {**declared, "policy": "/ckpt"})
     assert [n.kwargs["arguments"][0] for n in both] == ["sim-robot", "deploy"]
 

@@ -1,7 +1,8 @@
 """End to end over real DDS on loopback: `kinema sim-robot` and `kinema deploy` in separate processes.
 
-tests/conftest.py pins CycloneDDS to loopback (CYCLONEDDS_URI) and picks a random ROS_DOMAIN_ID for the session; the
-child processes inherit both, and `--local` (the default) pins them again. Every process is stopped by its PID in a
+tests/conftest.py pins the environment to loopback (robot.transport.loopback) and picks a random ROS_DOMAIN_ID for the
+session; the child processes inherit both, and `--local` (the default) pins them again. The commands run through
+`python -m kinema.cli`, the console script's own parser. Every process is stopped by its PID in a
 `finally`, whatever the test's outcome.
 """
 
@@ -25,17 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ROBOT = load_robot_config("sim_panda")
 
 
-def _cli_module() -> str:
-    """`kinema.cli` once it carries the robot commands; until then their own entry point (same parser)."""
-    from kinema.cli import build_parser
-
-    try:
-        build_parser().parse_args(["sim-robot", "--task", "drawer"])
-        return "kinema.cli"
-    except SystemExit:
-        return "kinema.robot_commands"
-
-
 class Processes:
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.procs = tmp, []
@@ -43,12 +33,11 @@ class Processes:
             **os.environ, "PYTHONPATH": str(ROOT), "MUJOCO_GL": "egl", "LP_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
-        self.module = _cli_module()
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         out = open(self.tmp / f"{name}.out", "w")
         err = open(self.tmp / f"{name}.err", "w")
-        proc = subprocess.Popen([sys.executable, "-m", self.module, *args], cwd=ROOT, env=self.env, stdout=out, stderr=err)
+        proc = subprocess.Popen([sys.executable, "-m", "kinema.cli", *args], cwd=ROOT, env=self.env, stdout=out, stderr=err)
         self.procs.append((name, proc, out, err))
         return proc
 

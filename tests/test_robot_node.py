@@ -120,6 +120,10 @@ def test_robot_config_rejects_unknown_keys_and_bad_values_by_name():
         robot_config_from_dict({"joints": [{"name": "j1", "lower": -1, "upper": 1}], "controller": {"type": "velocity"}})
     with pytest.raises(ValueError, match=r"joint 'j1': expected finite lower < upper"):
         robot_config_from_dict({"joints": [{"name": "j1", "lower": 1, "upper": -1}]})
+    with pytest.raises(ValueError, match=r"'joints\[1\].name' in <dict>: a non-empty name is required; got ''"):
+        robot_config_from_dict({"joints": [{"name": "j1", "lower": -1, "upper": 1}, {"name": "", "upper": 1}]})
+    with pytest.raises(ValueError, match=r"'gripper.joints\[0\].name'.*got None"):
+        robot_config_from_dict({"joints": [{"name": "j1", "lower": -1, "upper": 1}], "gripper": {"joints": [{"upper": 1}]}})
     assert ROBOT.command_joint_names[-2:] == ["finger_joint1", "finger_joint2"]
     np.testing.assert_allclose(ROBOT.gripper_targets(-1.0), [0.04, 0.04])
     np.testing.assert_allclose(ROBOT.gripper_targets(1.0), [0.0, 0.0])
@@ -445,6 +449,15 @@ def test_sim_robot_follows_commands_and_trajectories_and_resets():
         for _ in range(80):
             sim.step()
         assert states[-1].position[0] == pytest.approx(0.0, abs=0.01)
+        # An empty trajectory holds where the arm is: read by the physics thread at its next step.
+        cmd.publish(msg.Float64MultiArray(data=target))
+        sim.step()
+        before = sim.data.ctrl[sim._act_idx].copy()
+        traj.publish(msg.JointTrajectory(joint_names=robot.command_joint_names, points=[]))
+        np.testing.assert_array_equal(sim.data.ctrl[sim._act_idx], before)  # nothing written from this thread
+        q_now = sim.data.qpos[sim._qpos_idx].copy()
+        sim.step()
+        np.testing.assert_allclose(sim.data.ctrl[sim._act_idx], np.clip(q_now, sim._ctrl_lo, sim._ctrl_hi))
         cmd.publish(msg.Float64MultiArray(data=np.zeros(4)))
         traj.publish(msg.JointTrajectory(joint_names=["elbow"], points=[]))
         assert sim.counters["rejected_command"] == 1 and sim.counters["rejected_trajectory_joints"] == 1
@@ -498,6 +511,38 @@ def test_deploy_without_a_robot_fails_with_a_clear_error(capsys):
     assert "no valid /joint_states within 0.2 s" in err and "kinema sim-robot" in err
 
 
+def test_deploy_records_with_the_robots_own_recorder_config(tmp_path):
+    """`deploy --record`: RecorderConfig.from_robot (per-camera sizes, a step per streamed command) and the mapper's
+    EE state/action names; cameras of different sizes each keep their own."""
+    from kinema.robot_commands import _recorder
+    from robot.config import CameraConfig
+    from robot.recorder import RecorderConfig
+
+    robot = replace(ROBOT, cameras=[CameraConfig("agentview", "/cam/a", width=64, height=48),
+                                    CameraConfig("wrist", "/cam/w", width=32, height=32)])
+    mapper = ActionMapper(robot)
+    with InprocTransport(InprocBus()) as tr:
+        recorder = _recorder(tr, robot, mapper, str(tmp_path), "open the drawer")
+        try:
+            cfg = recorder.config
+            assert [(c.name, c.size) for c in cfg.cameras] == [("agentview", (48, 64)), ("wrist", (32, 32))]
+            assert cfg.sample_on == "command" and cfg.fps == robot.rates.control_hz
+            assert cfg.state_names == list(ActionMapper.STATE_NAMES) and len(cfg.state_names) == 8
+            assert cfg.action_names == list(ActionMapper.ACTION_NAMES) and len(cfg.action_names) == 7
+            expected = RecorderConfig.from_robot(robot, instruction="open the drawer", state_names=cfg.state_names,
+                                                 action_names=cfg.action_names)
+            assert cfg == expected
+        finally:
+            recorder.close()
+
+
+def test_deploy_keys_need_a_recording(capsys):
+    from kinema.robot_commands import main
+
+    assert main(["deploy", "--policy", "scripted:zero", "--backend", "inproc", "--keys"]) == 2
+    assert "--keys marks recorded episodes: it needs --record DIR" in capsys.readouterr().err
+
+
 def test_a_policy_reading_cameras_the_robot_lacks_is_refused_at_startup():
     class Config:
         cameras = ("agentview", "side")
@@ -539,3 +584,222 @@ def test_state_triggered_node_answers_every_fresh_state_with_one_command():
         assert [round(c[0], 2) for c in fake.commands[1:5]] == [0.01, 0.02, 0.03, 0.04]
     finally:
         node.close()
+
+
+# ----- threads: episode control against a running tick and a running inference ---------------------------------------
+class RecordingPolicy(ScriptedJointPolicy):
+    """Logs when predictions start and end and when reset runs, to check their order across threads."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__(gate)
+        self.events: list[str] = []
+
+    def reset(self) -> None:
+        self.events.append("reset")
+        super().reset()
+
+    def predict_action_chunk(self, batch):
+        self.events.append("predict")
+        out = super().predict_action_chunk(batch)
+        self.events.append("predicted")
+        return out
+
+
+def test_start_episode_resets_the_policy_only_after_a_running_prediction_ends():
+    gate = threading.Event()
+    policy = RecordingPolicy(gate)
+    node, fake, clock, _ = make(policy)
+    try:
+        step(node, fake, clock)
+        assert policy.started.wait(5)  # a prediction is running (held by the gate)
+        done = threading.Event()
+        thread = threading.Thread(target=lambda: (node.start_episode(), done.set()))
+        thread.start()
+        assert not done.wait(0.2)  # start_episode waits for the worker
+        assert policy.events == ["predict"]
+        gate.set()
+        assert done.wait(5)
+        thread.join()
+        assert policy.events == ["predict", "predicted", "reset"]
+        # The chunk planned before the new episode is never executed.
+        step(node, fake, clock)
+        assert node.stats["discarded_chunks"] == 1 and node.stats["chunks"] == 0
+    finally:
+        gate.set()
+        node.close()
+
+
+def test_pause_waits_for_a_running_tick_and_nothing_publishes_after_it():
+    node, fake, clock, _ = make(ConstantPolicy(np.zeros(7)))
+    entered, release = threading.Event(), threading.Event()
+    real_filter = node.safety.filter
+
+    def slow_filter(command, now):
+        entered.set()
+        assert release.wait(5)
+        return real_filter(command, now)
+
+    try:
+        step(node, fake, clock)
+        node.safety.filter = slow_filter
+        clock.t += PERIOD
+        fake.publish()
+        ticking = threading.Thread(target=node.tick)
+        ticking.start()
+        assert entered.wait(5)
+        paused = threading.Event()
+        pauser = threading.Thread(target=lambda: (node.pause(), paused.set()))
+        pauser.start()
+        assert not paused.wait(0.2)  # the tick in progress finishes first
+        release.set()
+        ticking.join(5)
+        assert paused.wait(5)
+        pauser.join()
+        published = len(fake.commands)
+        node.safety.filter = real_filter
+        assert step(node, fake, clock) is None and len(fake.commands) == published
+    finally:
+        release.set()
+        node.close()
+
+
+def test_stats_and_rejections_are_safe_to_read_while_other_threads_count():
+    node, fake, clock, bus = make(ConstantPolicy(np.zeros(7)))
+    bad = InprocTransport(bus).publisher(ROBOT.topics.teleop, msg.Float64MultiArray)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader():
+        try:
+            while not stop.is_set():
+                node.status()
+        except BaseException as err:  # noqa: BLE001 - the test reports it
+            errors.append(err)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(300):
+            node.stats.add(f"k{i}")  # new keys while status() copies the table
+            bad.publish(msg.Float64MultiArray(data=np.zeros(2)))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        node.close()
+    assert not errors, errors
+    assert node.rejected["teleop_length"] == 300 and len(node.stats) >= 300
+
+
+# ----- oversized messages over real DDS ------------------------------------------------------------------------------
+_FLOOD = r"""
+import re, sys, time
+import numpy as np
+import robot.messages as m
+from robot.transport.dds import LOOPBACK_CONFIG, DDSTransport
+
+# This sender has no size cap (as a misbehaving node elsewhere might not): the receiver's own cap must hold.
+xml = re.sub(r"<Internal>.*?</Internal>", "", LOOPBACK_CONFIG.read_text(), flags=re.S)
+domain, cam_topic, js_topic = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+with DDSTransport(domain, "flood", config=xml) as t:
+    cam = t.publisher(cam_topic, m.Image)
+    js = t.publisher(js_topic, m.JointState)
+    deadline = time.monotonic() + 20
+    while (cam.subscription_count() < 1 or js.subscription_count() < 1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    side = 2600  # 2600 x 2600 rgb8: ~20 MB, over the loopback config's 16 MiB cap
+    cam.publish(m.Image(height=side, width=side, encoding="rgb8", step=3 * side, data=bytes(3 * side * side)))
+    names = [f"joint_{i}" for i in range(100_000)]
+    js.publish(m.JointState(name=names, position=np.zeros(len(names))))
+    time.sleep(0.3)
+    cam.publish(m.Image.from_array(np.full((64, 64, 3), 7, np.uint8)))  # a good frame after the bad ones
+    time.sleep(1.0)
+print("FLOOD DONE", flush=True)
+"""
+
+
+def test_oversized_samples_over_dds_are_dropped_or_rejected_and_the_node_keeps_running(capfd):
+    """A ~20 MB frame is dropped by Cyclone's MaxSampleSize before Python sees it; a JointState naming 10^5 joints
+    is rejected by the node; a good frame after both is taken."""
+    import os
+    import subprocess
+    import sys
+
+    dds = pytest.importorskip("robot.transport.dds")
+    domain = int(os.environ["ROS_DOMAIN_ID"])
+    ns = f"/oversize{os.getpid()}"
+    cams = [replace(ROBOT.cameras[0], topic=f"{ns}/agentview")]
+    robot = replace(ROBOT, cameras=cams, topics=replace(ROBOT.topics, joint_states=f"{ns}/joint_states"))
+    node = PolicyNode(dds.DDSTransport(domain, "oversize_node"), robot, ConstantPolicy(np.zeros(7)), "x")
+    images: list[int] = []
+    original = node._subs[-1]._callback
+    node._subs[-1]._callback = lambda m: (images.append(len(m.data)), original(m))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _FLOOD, str(domain), cams[0].topic, robot.topics.joint_states],
+                            cwd=repo, env={**os.environ, "PYTHONPATH": repo}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+    try:
+        assert "FLOOD DONE" in out, err[-3000:]
+        assert "dropping oversize" in capfd.readouterr().err  # Cyclone's log line (C, fd 2), from this side's cap
+        assert images == [64 * 64 * 3]  # the huge frame never reached Python; the good one did
+        assert node.rejected["joint_state_too_many_joints"] == 1
+        assert "agentview" in node._images and node.transport._thread.is_alive()
+    finally:
+        transport = node.transport
+        node.close()
+        transport.close()
+
+
+def test_deploy_keys_mark_the_recorded_episode_and_q_quits(tmp_path, monkeypatch):
+    """`kinema deploy --record DIR --keys`: space starts recording, s ends it as a success, q ends deploy."""
+    import os
+    import time
+
+    from kinema.robot_commands import main
+    from robot.transport.inproc import DEFAULT_BUS
+
+    read_fd, write_fd = os.pipe()
+    keyboard = os.fdopen(read_fd, "r")
+    monkeypatch.setattr("sys.stdin", keyboard)
+    monkeypatch.setenv("ROS_DOMAIN_ID", "0")  # deploy's inproc transport joins the default bus on domain 0, as fake does
+    fake = FakeRobot(DEFAULT_BUS)
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def robot_loop():
+        while not stop.is_set():
+            fake.publish()
+            stop.wait(0.02)
+
+    def keys():
+        deadline = time.monotonic() + 30
+        while len(fake.commands) < 5 and time.monotonic() < deadline:  # deploy commands the arm
+            time.sleep(0.02)
+        for key, pause in ((" ", 0.6), ("s", 0.3), ("q", 0.0)):
+            os.write(write_fd, key.encode())
+            time.sleep(pause)
+
+    threads = [threading.Thread(target=robot_loop), threading.Thread(target=keys)]
+    for t in threads:
+        t.start()
+    try:
+        codes.append(main(["deploy", "--policy", "scripted:zero", "--backend", "inproc", "--episodes", "3",
+                           "--duration", "20", "--record", str(tmp_path), "--keys", "--wait-robot", "10"]))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        os.close(write_fd)
+        keyboard.close()
+        fake.tr.close()
+    assert codes == [0]
+    from diffusion_rl.data import read_episodes
+
+    (episode,) = read_episodes(tmp_path / "dataset")  # one episode, the one the keys marked
+    assert episode.outcome is True and episode.complete and 5 <= len(episode) <= 30

@@ -21,8 +21,10 @@ from diffusion_rl.data import ExecutedBy, LeRobotDatasetReader, Segment, read_ep
 from robot import messages as M
 from robot.mcap_ros2 import MSG_DEFINITIONS, McapRos2Writer, mcap_is_complete, read_mcap, schema_text
 from robot import recorder as recorder_module
-from robot.recorder import CameraTopic, EpisodeRecorder, KeyControl, RecorderConfig, segments_from_takeovers
-from robot.transport.base import QOS_LATCHED, QOS_SENSOR
+from robot.recorder import (
+    CameraTopic, EpisodeRecorder, KeyControl, RecorderConfig, pending_spools, segments_from_takeovers,
+)
+from robot.transport.base import QOS_DEFAULT, QOS_LATCHED, QOS_SENSOR
 from robot.transport.inproc import InprocBus, InprocTransport
 
 REPO = Path(__file__).resolve().parents[1]
@@ -279,6 +281,8 @@ def test_kill_mid_episode_then_recover_marks_it_incomplete(tmp_path):
     (partial,) = (tmp_path / "mcap").glob("*.mcap.recording")
     assert not mcap_is_complete(partial)
     (spool,) = (tmp_path / "spool").glob("*.spool")
+    # What `kinema train --dataset` checks to warn that the crashed episode is not in the dataset yet.
+    assert pending_spools(tmp_path) == [spool] and pending_spools(tmp_path / "dataset") == [spool]
     spool_copy = spool.read_bytes()
     with spool.open("ab") as f:  # as if killed in the middle of writing a step: a torn record at the end
         f.write(spool_copy[-300:-100])
@@ -302,6 +306,7 @@ def test_kill_mid_episode_then_recover_marks_it_incomplete(tmp_path):
         "episode_000000.mcap", "episode_000001.mcap", "episode_000002.mcap.incomplete"]
     assert all(mcap_is_complete(tmp_path / "mcap" / f"episode_00000{i}.mcap") for i in (0, 1))
     assert list((tmp_path / "spool").iterdir()) == []
+    assert pending_spools(tmp_path) == []
     # Recovering again finds nothing to do.
     assert EpisodeRecorder.recover(tmp_path).episodes == []
     # A kill between the commit and the spool's removal leaves a spool that says which index it was committed
@@ -464,8 +469,15 @@ def test_bad_config_names_the_field():
         RecorderConfig(joint_names=["a"], image_size=(15, 16))
     with pytest.raises(ValueError, match="command_type"):
         RecorderConfig(joint_names=["a"], command_type="velocity")
-    with pytest.raises(ValueError, match="valid absolute ROS 2 topic"):
+    with pytest.raises(ValueError, match="RecorderConfig.state_topic: topic 'joint_states' is not a valid absolute"):
         RecorderConfig(joint_names=["a"], state_topic="joint_states")
+    with pytest.raises(ValueError, match=r"RecorderConfig.cameras\[1\].topic and RecorderConfig.takeover_topic are "
+                                         r"both '/kinema/takeover'"):
+        RecorderConfig(joint_names=["a"], cameras=[CameraTopic("a", "/cam/a"), CameraTopic("b", "/kinema/takeover")])
+    with pytest.raises(ValueError, match=r"RecorderConfig.max_age_s must be > 0 seconds; got 0"):
+        RecorderConfig(joint_names=["a"], max_age_s=0)
+    with pytest.raises(ValueError, match=r"RecorderConfig.failure_window must be >= 0; got -1"):
+        RecorderConfig(joint_names=["a"], failure_window=-1)
 
 
 # --------------------------------------------------------------------------------------------- back into training
@@ -569,11 +581,15 @@ def test_robot_config_recordings_train_the_sim_vla(tmp_path):
     assert all(np.isfinite(v) for v in stats.values())
 
 
-def test_records_over_dds_on_loopback(tmp_path):
-    """The same recorder on the DDS backend (loopback only, see conftest.py): callbacks arrive on DDS threads."""
+@pytest.mark.parametrize("control_qos", [QOS_DEFAULT, QOS_LATCHED], ids=["volatile", "latched"])
+def test_records_over_dds_on_loopback(tmp_path, control_qos):
+    """The same recorder on the DDS backend (loopback only, see conftest.py): callbacks arrive on DDS threads.
+
+    Takeover and instruction come from ordinary volatile publishers (`ros2 topic pub`'s default, what the policy
+    node hears) or latched ones: the recorder must match both, or it labels a human's steps as the policy's."""
     dds = pytest.importorskip("robot.transport.dds")
     domain = int(os.environ["ROS_DOMAIN_ID"])
-    ns = f"/rec{os.getpid()}"
+    ns = f"/rec{os.getpid()}_{'latched' if control_qos.transient_local else 'volatile'}"
     config = RecorderConfig(
         joint_names=list(JOINTS), state_topic=f"{ns}/joint_states", cameras=[CameraTopic("wrist", f"{ns}/wrist")],
         command_topic=f"{ns}/commands", takeover_topic=f"{ns}/takeover", episode_topic=f"{ns}/episode",
@@ -583,9 +599,9 @@ def test_records_over_dds_on_loopback(tmp_path):
         pubs = {"state": robot_tr.publisher(config.state_topic, M.JointState),
                 "cam": robot_tr.publisher(f"{ns}/wrist", M.Image, QOS_SENSOR),
                 "cmd": robot_tr.publisher(config.command_topic, M.Float64MultiArray),
-                "takeover": robot_tr.publisher(config.takeover_topic, M.Bool, QOS_LATCHED),
+                "takeover": robot_tr.publisher(config.takeover_topic, M.Bool, control_qos),
                 "episode": robot_tr.publisher(config.episode_topic, M.String),
-                "task": robot_tr.publisher(config.instruction_topic, M.String, QOS_LATCHED)}
+                "task": robot_tr.publisher(config.instruction_topic, M.String, control_qos)}
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not all(p.subscription_count() for p in pubs.values()):
             time.sleep(0.02)

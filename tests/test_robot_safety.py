@@ -150,3 +150,50 @@ def test_limits_from_the_shipped_robot_config():
     assert lim.image_timeout_s == pytest.approx(0.09) and lim.max_rate_hz == 40.0
     with pytest.raises(ValueError, match="lower < upper"):
         SafetyLimits(lower=np.zeros(2), upper=np.zeros(2), max_step=np.ones(2))
+
+
+# ----- nothing outside the joint limits is ever published (the reviewer's cases, limits [0, 1]) -----------------------
+def unit_limits() -> SafetyLimits:
+    return SafetyLimits(lower=np.zeros(2), upper=np.ones(2), max_step=np.full(2, 0.1), state_timeout_s=1.0,
+                        image_timeout_s=1.0, max_rate_hz=1000.0)
+
+
+@pytest.mark.parametrize("command, status", [(None, SafetyStatus.HOLD_NO_COMMAND),
+                                             (np.array([np.nan, 0.5]), SafetyStatus.HOLD_NONFINITE)])
+def test_a_hold_before_the_first_command_clips_a_measured_state_outside_the_limits(command, status):
+    layer = ready(SafetyLayer(unit_limits()), q=(-0.01, 1.02))
+    d = layer.filter(command, 0.0)
+    assert d.status is status
+    np.testing.assert_allclose(d.command, [0.0, 1.0])  # the measured [-0.01, 1.02] itself is never published
+
+
+def test_the_step_bound_from_a_reference_outside_the_limits_still_publishes_inside_them():
+    layer = ready(SafetyLayer(unit_limits()), q=(-0.5, 0.5))
+    d = layer.filter(np.array([0.5, 0.5]), 0.0)
+    assert d.status is SafetyStatus.CLIPPED
+    np.testing.assert_allclose(d.command, [0.0, 0.5])  # not -0.4: the limits are the last word
+    assert (d.command >= 0).all() and (d.command <= 1).all()
+
+
+def test_random_states_and_commands_never_publish_outside_the_limits():
+    rng = np.random.default_rng(0)
+    layer = SafetyLayer(unit_limits())
+    for k in range(500):
+        now = k * 0.01
+        if k % 7 == 0:
+            layer.forget_command()
+        layer.observe_state(rng.uniform(-0.5, 1.5, 2), now)
+        command = None if k % 5 == 0 else rng.uniform(-2, 3, 2)
+        if k % 11 == 0 and command is not None:
+            command[0] = np.nan
+        d = layer.filter(command, now)
+        if d.command is not None:
+            assert (d.command >= 0).all() and (d.command <= 1).all(), (k, d)
+
+
+def test_preview_applies_the_limit_and_step_rules_without_changing_state():
+    layer = ready(SafetyLayer(unit_limits()), q=(0.5, 0.5))
+    np.testing.assert_allclose(layer.preview(np.array([-0.3, 0.5]), np.array([0.9, 2.0])), [0.0, 0.6])
+    assert layer.preview(np.array([0.5, 0.5]), np.array([np.inf, 0.5])) is None
+    assert layer.preview(np.array([0.5, 0.5]), np.array([0.5])) is None
+    assert layer.last_command is None and sum(layer.counters.values()) == 0

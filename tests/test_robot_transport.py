@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -322,9 +323,14 @@ def test_loopback_config_is_the_default_and_pins_everything_to_127_0_0_1(monkeyp
     assert [i.get("address") for i in root.findall(".//c:Interfaces/c:NetworkInterface", ns)] == ["127.0.0.1"]
     assert root.find(".//c:ParticipantIndex", ns).text == "auto"
     assert int(root.find(".//c:MaxAutoParticipantIndex", ns).text) >= 10
+    assert root.find(".//c:Internal/c:MaxSampleSize", ns).text == "16MiB"  # the size cap, both directions
 
     loopback_uri = dds.LOOPBACK_CONFIG.resolve().as_uri()
-    assert dds.loopback_environment({"PATH": "/bin"}) == {"PATH": "/bin", "CYCLONEDDS_URI": loopback_uri}
+    assert dds.loopback_environment({"PATH": "/bin", "ROS_STATIC_PEERS": "10.0.0.7"}) == {
+        "PATH": "/bin", "CYCLONEDDS_URI": loopback_uri, "ROS_LOCALHOST_ONLY": "1",
+        "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST", "ROS_STATIC_PEERS": "",
+    }
+    assert dds.loopback_environment({}, rmw=True)["RMW_IMPLEMENTATION"] == "rmw_cyclonedds_cpp"
     monkeypatch.delenv("CYCLONEDDS_URI")
     assert dds.resolve_config(None) == loopback_uri  # nothing set: loopback
     monkeypatch.setenv("CYCLONEDDS_URI", "file:///robot/lan.xml")
@@ -410,10 +416,17 @@ t.close()
 
 
 def _run_driver(prefix: list[str], env: dict) -> dict:
-    proc = subprocess.run(prefix + [sys.executable, "-c", _DRIVER], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=90)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # Its own process group: on a timeout the driver's echo child is killed with it, not left running.
+    proc = subprocess.Popen(prefix + [sys.executable, "-c", _DRIVER], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"the DDS driver did not finish within 90 s:\n{err[-3000:]}") from None
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def _check_driver_report(report: dict) -> None:
@@ -489,6 +502,52 @@ def test_rclpy_round_trips_every_message_type_and_talks_to_dds(msg_type):
                 assert_same(inbox.wait(2)[1], FULL[msg_type])
     finally:
         ros.close()
+
+
+@pytest.mark.skipif(_rclpy_importable(), reason="ROS 2 is installed here: rclpy.init would run")
+def test_local_pins_the_rclpy_path_before_rclpy_is_touched(monkeypatch):
+    """`--local` under rclpy: the pinned variables are in the environment before rclpy (and its rmw) load."""
+    for var in ("CYCLONEDDS_URI", "ROS_LOCALHOST_ONLY", "ROS_AUTOMATIC_DISCOVERY_RANGE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ROS_STATIC_PEERS", "192.168.1.20")
+    with pytest.raises(ImportError, match="'dds' backend"):  # no ROS here: the pinning is what we can observe
+        make_transport("rclpy", domain_id=DOMAIN, local=True)
+    assert os.environ["CYCLONEDDS_URI"] == dds.LOOPBACK_CONFIG.resolve().as_uri()
+    assert os.environ["ROS_LOCALHOST_ONLY"] == "1"
+    assert os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] == "LOCALHOST"
+    assert os.environ["ROS_STATIC_PEERS"] == ""
+
+
+def test_local_dds_ignores_a_lan_cyclonedds_uri(monkeypatch, tmp_path):
+    lan = tmp_path / "lan.xml"
+    lan.write_text("<CycloneDDS/>")
+    monkeypatch.setenv("CYCLONEDDS_URI", lan.resolve().as_uri())
+    # Another domain: this process already runs DOMAIN on CYCLONEDDS_URI (one config per domain per process).
+    with make_transport("dds", domain_id=DOMAIN % 101 + 1, local=True) as t:
+        assert t.config == dds.LOOPBACK_CONFIG.resolve().as_uri()
+    assert os.environ["CYCLONEDDS_URI"] == dds.LOOPBACK_CONFIG.resolve().as_uri()
+    with pytest.raises(ValueError, match="local=True"):
+        make_transport("dds", domain_id=DOMAIN, local=True, config=str(lan))
+
+
+def test_inproc_matches_qos_like_dds_so_mismatches_show_in_unit_tests():
+    """Request-offered: a transient-local subscription never hears a volatile publisher, a reliable one never hears
+    a best-effort publisher (both lose every message on a real DDS graph; inproc must not hide that)."""
+    bus = InprocBus()
+    t = InprocTransport(bus)
+    heard: dict[str, list] = {"latched": [], "volatile": [], "reliable": [], "best_effort": []}
+    t.subscribe("/a", m.Bool, heard["latched"].append, QOS_LATCHED)
+    t.subscribe("/a", m.Bool, heard["volatile"].append, QOS_DEFAULT)
+    t.subscribe("/b", m.Bool, heard["reliable"].append, QOS_DEFAULT)
+    t.subscribe("/b", m.Bool, heard["best_effort"].append, QOS_SENSOR)
+    t.publisher("/a", m.Bool, QOS_DEFAULT).publish(m.Bool(True))
+    t.publisher("/a", m.Bool, QOS_LATCHED).publish(m.Bool(False))
+    t.publisher("/b", m.Bool, QOS_SENSOR).publish(m.Bool(True))
+    t.publisher("/b", m.Bool, QOS_DEFAULT).publish(m.Bool(False))
+    assert [x.data for x in heard["latched"]] == [False]
+    assert [x.data for x in heard["volatile"]] == [True, False]
+    assert [x.data for x in heard["reliable"]] == [False]
+    assert [x.data for x in heard["best_effort"]] == [True, False]
 
 
 def test_make_transport_rejects_bad_backend_and_domain(monkeypatch):

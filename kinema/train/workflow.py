@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from diffusion_rl.data import Episode, ExecutedBy
+from diffusion_rl.data import Episode
 from diffusion_rl.data.lerobot_v3 import read_episodes, write_episodes
 from diffusion_rl.habc import HABCConfig
 from kinema.sim_commands import progress_bar
@@ -235,6 +235,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     if cfg.dataset:
         if (Path(cfg.dataset) / "dataset" / "meta" / "info.json").exists():
             cfg.dataset = str(Path(cfg.dataset) / "dataset")  # a `kinema deploy --record` folder: its dataset part
+        from robot.recorder import pending_spools
+
+        if spools := pending_spools(cfg.dataset):  # a crashed recording: its last episode is not in the dataset yet
+            console.print(
+                f"[yellow]warning: {len(spools)} recorded episode(s) in {spools[0].parent} are not in the dataset "
+                "yet (the recorder was interrupted); to include them, first run: python -c \"from robot.recorder "
+                f"import EpisodeRecorder; print(EpisodeRecorder.recover('{Path(cfg.dataset).parent}'))\"[/yellow]"
+            )
         demos = read_episodes(cfg.dataset)
         console.print(f"loaded {len(demos)} episodes from {cfg.dataset}")
     elif (demo_dir / "meta" / "info.json").exists():
@@ -269,7 +277,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     )  # fmt: skip
     policy = VLAPolicy(vla_config)
     policy.set_normalization(demo_buffer.stats())
-    critics = CriticState(vla_config.hidden_dim, critic_lr=cfg.rl.habc.critic_lr)
+    critics = CriticState(vla_config.hidden_dim, critic_lr=cfg.rl.habc.critic_lr, value_scale=cfg.rl.habc.value_scale)
     env_steps, actor_step, start_round = 0, 0, 1
     latest = state.get("latest_checkpoint")
     # `policy` trains; `acting` (its EMA, or itself when the decay is 0) collects rollouts, is evaluated and saved.
@@ -336,6 +344,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     habc_config = HABCConfig(
         gate=cfg.rl.habc.gate, warmup_steps=cfg.rl.habc.warmup_rounds * cfg.rl.updates_per_round,
         intervention_credit=cfg.rl.habc.intervention_credit, intervention_reweighting=cfg.rl.habc.intervention_reweighting,
+        efficiency_target=cfg.rl.habc.efficiency_target,
     )  # fmt: skip
     try:
         with progress_bar(console) as bar:

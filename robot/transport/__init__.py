@@ -17,11 +17,17 @@ def rclpy_available() -> bool:
     return True
 
 
-def make_transport(backend: str = "auto", *, node_name: str = "kinema", domain_id: int | None = None, **kwargs) -> Transport:
+def make_transport(
+    backend: str = "auto", *, node_name: str = "kinema", domain_id: int | None = None, local: bool = False, **kwargs
+) -> Transport:
     """Connect a node to the graph. `auto` is rclpy where ROS 2 is installed, DDS otherwise.
 
-    `domain_id` defaults to `ROS_DOMAIN_ID` (0 when unset), as in ROS 2. Other keywords go to the backend, e.g.
-    `config=` for `dds` (None: CYCLONEDDS_URI if set, else the loopback config; "loopback"; or a CycloneDDS XML path).
+    `domain_id` defaults to `ROS_DOMAIN_ID` (0 when unset), as in ROS 2. `local=True` keeps all traffic on this
+    machine whatever the backend: this process's environment is pinned to loopback first
+    (`robot.transport.loopback`: CycloneDDS XML, ROS_LOCALHOST_ONLY, ROS_AUTOMATIC_DISCOVERY_RANGE; read by rclpy's
+    rmw when its context is created), and `dds` runs on the loopback XML even where CYCLONEDDS_URI names another.
+    Other keywords go to the backend, e.g. `config=` for `dds` (None: CYCLONEDDS_URI if set, else the loopback
+    config; "loopback"; or a CycloneDDS XML path).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown transport backend {backend!r}; expected one of {', '.join(BACKENDS)}")
@@ -32,6 +38,14 @@ def make_transport(backend: str = "auto", *, node_name: str = "kinema", domain_i
         domain_id = int(raw)
     if backend == "auto":
         backend = "rclpy" if rclpy_available() else "dds"
+    if local and backend != "inproc":
+        from robot.transport.loopback import pin_to_loopback
+
+        pin_to_loopback()
+        if backend == "dds":
+            if kwargs.get("config") not in (None, "loopback"):
+                raise ValueError(f"local=True runs DDS on the loopback config; got config={kwargs['config']!r} as well")
+            kwargs["config"] = "loopback"
     if backend == "inproc":
         from robot.transport.inproc import InprocTransport
 

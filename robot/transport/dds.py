@@ -26,7 +26,7 @@ import os
 import re
 import threading
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,23 +44,10 @@ from cyclonedds.topic import Topic
 from cyclonedds.util import duration
 
 import robot.messages as messages
-from kinema.paths import assets_dir
 from robot.transport.base import QOS_DEFAULT, Publisher, QoS, Subscription, Transport, check_topic
+from robot.transport.loopback import LOOPBACK_CONFIG, loopback_environment
 
 log = logging.getLogger(__name__)
-
-LOOPBACK_CONFIG: Path = assets_dir() / "dds" / "cyclonedds_loopback.xml"
-
-
-def loopback_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A copy of `base` (default: this process's environment) with CycloneDDS pinned to loopback.
-
-    For child processes: `subprocess.run(cmd, env=loopback_environment())`. rclpy nodes with rmw_cyclonedds honour
-    the same variable.
-    """
-    env = dict(os.environ if base is None else base)
-    env["CYCLONEDDS_URI"] = LOOPBACK_CONFIG.resolve().as_uri()
-    return env
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -399,7 +386,11 @@ class DDSPublisher(Publisher):
         try:
             self._writer.write(wire)
         except DDSException as e:
-            raise RuntimeError(f"DDS write on {self.topic!r} failed: {e}") from e
+            # The usual cause: a sample over the config's Internal/MaxSampleSize (16 MiB in the loopback config).
+            raise RuntimeError(
+                f"DDS write on {self.topic!r} failed: {e} (a sample larger than the DDS config's "
+                "Internal/MaxSampleSize, 16 MiB in the loopback config, is refused)"
+            ) from e
         except Exception as e:  # the serialiser names the member and value that did not fit its IDL type
             cause = f" ({e.__cause__})" if e.__cause__ else ""
             raise ValueError(f"cannot encode {self.msg_type.ros_type} for {self.topic!r}: {e}{cause}") from e

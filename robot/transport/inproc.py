@@ -2,6 +2,10 @@
 
 Delivery is synchronous, on the publisher's thread, and each subscriber gets its own deep copy (as it would
 after a trip over the wire). Best-effort subscriptions can be told to drop messages, to test loss handling.
+
+QoS matching follows DDS's request-offered rule, so that a mismatch that would lose every message on a real graph
+loses them here too: a transient-local subscription hears only transient-local publishers, a reliable subscription
+only reliable ones.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ class InprocBus:
                 f"topic {key[1]!r} already carries {known.ros_type}, not {msg_type.ros_type}"
             )
 
-    def deliver(self, key: tuple[int, str], msg: Any, latched: bool) -> None:
+    def deliver(self, key: tuple[int, str], msg: Any, qos: QoS) -> None:
         with self._lock:
-            subs = list(self._subs[key])
-            if latched:
+            subs = [s for s in self._subs[key] if qos_compatible(qos, s.qos)]
+            if qos.transient_local:
                 self._latched[key] = copy.deepcopy(msg)
         for sub in subs:
             sub._deliver(copy.deepcopy(msg))
@@ -55,6 +59,12 @@ class InprocBus:
 DEFAULT_BUS = InprocBus()
 
 
+def qos_compatible(offered: QoS, requested: QoS) -> bool:
+    """DDS's request-offered matching for the two policies kinema sets: what a subscription requests must not
+    exceed what the publisher offers (reliable > best-effort, transient-local > volatile)."""
+    return (offered.reliable or not requested.reliable) and (offered.transient_local or not requested.transient_local)
+
+
 class _InprocPublisher(Publisher):
     def __init__(self, transport: InprocTransport, topic: str, msg_type: type, qos: QoS):
         self.topic, self.msg_type, self.qos = topic, msg_type, qos
@@ -64,7 +74,7 @@ class _InprocPublisher(Publisher):
         if not isinstance(msg, self.msg_type):
             raise TypeError(f"publisher on {self.topic!r} takes {self.msg_type.__name__}, got {type(msg).__name__}")
         self._transport._check_open()
-        self._transport.bus.deliver((self._transport.domain_id, self.topic), msg, self.qos.transient_local)
+        self._transport.bus.deliver((self._transport.domain_id, self.topic), msg, self.qos)
 
 
 class _InprocSubscription(Subscription):

@@ -3,6 +3,9 @@
 rclpy is imported when a transport is made, not when this module is: without ROS 2, `RclpyTransport(...)` raises an
 ImportError that names the `dds` backend, which speaks the same wire format with no ROS install.
 
+Network rule: this class pins nothing itself; rclpy's rmw reads the environment when the context is created, so
+`make_transport("rclpy", local=True)` (what `--local` does) pins it first (robot/transport/loopback.py).
+
 Conversion between `robot.messages` dataclasses and rclpy's generated classes is generic: it walks the dataclass
 fields (same names and order as the upstream .msg) and converts by the kind of field, as the DDS backend does.
 """
