@@ -82,13 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     from kinema.robot_commands import add_robot_commands
 
     add_robot_commands(sub)
+    from kinema.video.commands import add_video_commands
+
+    add_video_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "train":
+    if extra and args.command not in ("train", "video"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "train":
@@ -99,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kinema.train.commands import eval_command
 
             return eval_command(args)
+        if args.command == "video":
+            from kinema.video.commands import run_video_command
+
+            return run_video_command(args, extra)
         if args.command in ("deploy", "sim-robot"):
             from kinema.robot_commands import run_robot_command
 

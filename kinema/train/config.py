@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import draccus
 import yaml
@@ -19,6 +19,8 @@ from kinema.paths import assets_dir
 
 RL_METHODS = ("habc", "sft_continued", "awr", "flow_ppo", "none")
 
+
+T = TypeVar("T")
 
 @dataclass
 class DemoConfig:
@@ -161,9 +163,12 @@ def resolve_config_path(name: str) -> Path:
     raise FileNotFoundError(f"config file {name} does not exist; shipped configs: {', '.join(names)}")
 
 
-def load_config(config_path: str | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """TrainConfig from an optional YAML file plus `--a.b value` / `--a.b=value` overrides."""
-    valid = _valid_keys(TrainConfig)
+def load_config(
+    config_path: str | None = None, overrides: list[str] | None = None, *, config_class: type[T] = TrainConfig
+) -> T:
+    """A config (TrainConfig by default; any dataclass config of kinema's) from an optional YAML file (a path, or a
+    shipped name) plus `--a.b value` / `--a.b=value` overrides. An unknown key is an error listing the valid ones."""
+    valid = _valid_keys(config_class)
     if config_path:
         path = resolve_config_path(config_path)
         config_path = str(path)
@@ -177,7 +182,7 @@ def load_config(config_path: str | None = None, overrides: list[str] | None = No
                 level = valid.get(prefix, valid[""])
                 raise ValueError(f"unknown config key {dotted!r} on the command line; valid keys here: {', '.join(level)}")
     try:
-        return draccus.parse(config_class=TrainConfig, config_path=config_path, args=list(overrides or []))
+        return draccus.parse(config_class=config_class, config_path=config_path, args=list(overrides or []))
     except Exception as err:  # draccus wraps our own validation errors; surface the one that names the field
         cause = err
         while cause.__cause__ is not None or cause.__context__ is not None:
@@ -187,11 +192,11 @@ def load_config(config_path: str | None = None, overrides: list[str] | None = No
         raise ValueError(f"invalid config: {err}") from None
 
 
-def config_keys_help() -> str:
-    """Every dotted config key with its default, for `kinema train --help`."""
+def config_keys_help(config_class: type = TrainConfig) -> str:
+    """Every dotted config key with its default, for `kinema train --help` (or another config's command)."""
     lines = ["config keys (defaults):"]
-    for prefix, names in _valid_keys(TrainConfig).items():
-        obj: Any = TrainConfig()
+    for prefix, names in _valid_keys(config_class).items():
+        obj: Any = config_class()
         for part in filter(None, prefix.split(".")):
             obj = getattr(obj, part)
         values = [f"{prefix}{n}={getattr(obj, n)!r}" for n in names if not dataclasses.is_dataclass(getattr(obj, n))]
@@ -199,5 +204,5 @@ def config_keys_help() -> str:
     return "\n".join(lines)
 
 
-def dump_config(config: TrainConfig) -> str:
+def dump_config(config: Any) -> str:
     return draccus.dump(config)

@@ -1,0 +1,273 @@
+"""Video post-training methods at an equal wall-clock budget, on a reward computable exactly.
+
+The toy, with a known answer:
+- data: synthetic clips of one coloured square on a grey background (random brightness), anywhere across the
+  frame and moving left or right; prompt = "a <colour> square";
+- model: the tiny default video generator (`VideoGenerator.from_preset("tiny")`, 16² × 5 frames so that a CPU
+  budget holds hundreds of updates), pre-trained in this run on those clips (`kinema.video.workflow.pretrain`);
+- reward `position`: −mean over frames of |c_x − 0.8|, c_x the horizontal centroid (as a fraction of the width)
+  of the pixels that differ from the frame's median colour (weighted by the 4th power of that difference). Its
+  maximum, 0, is a square centred at 80 % of the width. It cannot be bought cheaply: a global tint cancels
+  against the median, and noise or texture puts the centroid in the middle, no better than an average sample;
+- each method (VideoAWR, DiffusionNFT, reward-weighted distillation à la Stream-R1, Flow-GRPO) starts from the
+  same pre-trained weights, with the same LoRA learning rate, and trains for the same number of wall-clock
+  seconds (evaluation excluded); each keeps its reference anchor (Flow-GRPO: its KL);
+- evaluation: CFG-free samples at fixed noise every few rounds: the mean reward and the diversity (mean pairwise
+  RMS distance between the samples of one prompt).
+
+Reported: reward against training time per method; time to the target reward (start + half the gap to the
+known maximum, `--target-fraction`; a trailing mean of two evaluations must reach it) and its ratio to
+Flow-GRPO's (Flow-GRPO's budget when it never gets there: the ratio is then a lower bound); the time each method
+took to reach Flow-GRPO's own final reward, and that ratio; diversity relative to the start; peak RSS. The last
+line is one JSON object.
+
+    PYTHONPATH=. python benchmarks/video_rl.py --quick     # < 1 minute on an idle machine (a smoke run)
+    PYTHONPATH=. python benchmarks/video_rl.py             # the comparison (~8 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kinema.video.config import load_video_config  # noqa: E402
+from kinema.video.trainer import VideoTrainer  # noqa: E402
+from kinema.video.workflow import pretrain  # noqa: E402
+from policies.video.generator import VideoGenerator  # noqa: E402
+from policies.video.rewards import VideoReward, make_rewards  # noqa: E402
+
+COLOURS = {"red": (0.9, 0.15, 0.1), "green": (0.1, 0.8, 0.2), "blue": (0.15, 0.25, 0.95), "yellow": (0.95, 0.9, 0.1)}
+METHODS = ("awr", "nft", "distill", "flow_grpo")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The toy: data and an exactly computable reward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def square_clips(n: int, *, frames: int, size: int, seed: int) -> tuple[Tensor, list[str]]:
+    """n clips (n, F, 3, S, S) in [0, 1] of a square moving at a random horizontal speed, and their prompts."""
+    rng = np.random.default_rng(seed)
+    scale = size / 32.0
+    side = max(3, size // 4)
+    names = list(COLOURS)
+    videos = np.empty((n, frames, 3, size, size), np.float32)
+    prompts = []
+    ys, xs = np.mgrid[0:size, 0:size]
+    for i in range(n):
+        colour = names[i % len(names)]
+        bg = rng.uniform(0.35, 0.65)
+        vx = rng.integers(-2, 3) * scale
+        vy = rng.uniform(-0.5, 0.5) * scale
+        span = abs(vx) * (frames - 1)
+        x0 = rng.uniform(0, max(0.0, size - side - span)) + (span if vx < 0 else 0.0)
+        y0 = rng.uniform(0, size - side - abs(vy) * (frames - 1)) + (abs(vy) * (frames - 1) if vy < 0 else 0.0)
+        for f in range(frames):
+            x, y = x0 + vx * f, y0 + vy * f
+            # Anti-aliased edges: coverage of each pixel by the square, so sub-pixel motion is visible.
+            cover = np.clip(np.minimum(xs + 1 - x, x + side - xs), 0, 1) * np.clip(np.minimum(ys + 1 - y, y + side - ys), 0, 1)
+            for c in range(3):
+                videos[i, f, c] = bg * (1 - cover) + COLOURS[colour][c] * cover
+        prompts.append(f"a {colour} square")
+    return torch.from_numpy(videos), prompts
+
+
+class PositionTarget(VideoReward):
+    """−mean over frames of |c_x − x*| / W: c_x is the horizontal centroid of the foreground, x* the target column.
+
+    Foreground weight of a pixel = its distance to the frame's median colour (to the 4th power), so a global tint or exposure change
+    moves nothing, and noise puts the centroid near the middle (no better than an average sample). The maximum, 0,
+    is a square centred on x* in every frame. Differentiable in torch."""
+
+    names = ("position",)
+    differentiable = True
+
+    def __init__(self, target_fraction: float = 0.8) -> None:
+        self.target_fraction = target_fraction
+
+    def centroid(self, videos: Tensor) -> Tensor:
+        """Horizontal foreground centroid per frame, as a fraction of the width: (B, F)."""
+        median = videos.flatten(3).median(dim=3).values[..., None, None]  # (B, F, C, 1, 1)
+        # The 4th power: the square (a deviation of ~0.3) outweighs faint texture (~0.03) by 10^4, so the
+        # centroid follows the object, not the grain a generator leaves over the background.
+        m = (videos - median).abs().sum(2).pow(4)  # (B, F, H, W)
+        w = videos.shape[-1]
+        x = (torch.arange(w, dtype=videos.dtype) + 0.5) / w
+        return (m.sum(2) * x).sum(-1) / m.sum((2, 3)).clamp_min(1e-6)
+
+    def score(self, videos: Tensor, prompts: list[str]) -> dict[str, Tensor]:
+        return {"position": -(self.centroid(videos) - self.target_fraction).abs().mean(1)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pre-training and one method's run
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def pretrain_toy(videos: Tensor, prompts: list[str], *, frames: int, size: int, steps: int, seed: int) -> VideoGenerator:
+    gen = VideoGenerator.from_preset("tiny", seed=seed, num_frames=frames, height=size, width=size)
+    pretrain(gen, videos, prompts, steps=steps, lr=1e-3, batch_size=16, seed=seed)
+    return gen
+
+
+def run_method(method: str, base_dir: Path, args: argparse.Namespace, reward: PositionTarget) -> dict:
+    overrides = [
+        "--train.method", method, "--seed", str(args.seed), "--data.frames", str(args.frames), "--data.size", str(args.size),
+        "--model.num_inference_steps", str(args.steps), "--train.prompts_per_round", "4", "--train.group_size", str(args.group),
+        "--train.updates_per_round", str(args.updates), "--train.batch_size", "8", "--train.lr", str(args.lr),
+        "--eval.prompts", "4", "--eval.samples_per_prompt", str(args.eval_samples), "--rewards.names", "[position]",
+        "--anchor.ref_weight", str(args.ref_weight),
+    ]  # fmt: skip
+    cfg = load_video_config(None, overrides)
+    gen = VideoGenerator.from_pretrained(base_dir)
+    trainer = VideoTrainer(cfg, gen, make_rewards([reward]), [f"a {c} square" for c in COLOURS])
+    curve = []
+    ev, _ = trainer.evaluate()
+    curve.append({"time_s": 0.0, "round": 0, "reward": ev["eval/position"], "diversity": ev["eval/diversity"]})
+    train_time = 0.0
+    while train_time < args.budget:
+        t0 = time.perf_counter()
+        trainer.train_round()
+        train_time += time.perf_counter() - t0
+        if trainer.round % args.eval_every == 0 or train_time >= args.budget:
+            ev, _ = trainer.evaluate()
+            curve.append({"time_s": round(train_time, 2), "round": trainer.round, "reward": ev["eval/position"],
+                          "diversity": ev["eval/diversity"]})  # fmt: skip
+    return {"curve": curve, "rounds": trainer.round}
+
+
+def smoothed(curve: list[dict]) -> list[float]:
+    """Trailing mean of two consecutive evaluations: one lucky evaluation does not count as arriving."""
+    r = [p["reward"] for p in curve]
+    return [r[0]] + [(a + b) / 2 for a, b in zip(r, r[1:])]
+
+
+def time_to(curve: list[dict], target: float) -> float | None:
+    """Training seconds until the smoothed evaluation reward first reaches `target` (None: never)."""
+    for point, value in zip(curve, smoothed(curve)):
+        if value >= target:
+            return point["time_s"]
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="16x16, 5 frames, a few seconds per method (< 1 minute)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--budget", type=float, default=None, help="training seconds per method")
+    parser.add_argument("--size", type=int, default=None, help="frame height and width (multiple of 16)")
+    parser.add_argument("--frames", type=int, default=None, help="frames per clip (4k + 1)")
+    parser.add_argument("--pretrain-steps", type=int, default=None)
+    parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate, the same for every method")
+    parser.add_argument("--ref-weight", type=float, default=0.01, help="reference anchor weight (KL weight for Flow-GRPO)")
+    parser.add_argument("--target-fraction", type=float, default=0.5,
+                        help="target reward = start + this fraction of the gap to the known maximum 0")
+    parser.add_argument("--pretrained", default="", help="reuse (or create) the pre-trained toy generator in this folder")
+    args = parser.parse_args()
+    q = args.quick
+    # The tiny default generator at 16² × 5 frames: a CPU budget then holds hundreds of updates per method.
+    args.frames = args.frames or 5
+    args.size = args.size or 16
+    args.pretrain_steps = args.pretrain_steps if args.pretrain_steps is not None else (300 if q else 800)
+    args.budget = args.budget or (5.0 if q else 90.0)
+    args.steps = 4  # sampling steps
+    args.group, args.updates = 4, 4 if q else 8
+    args.eval_samples = 4 if q else 8  # per prompt (4 prompts) at every evaluation
+    args.eval_every = 2 if q else 5
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    started = time.time()
+
+    videos, prompts = square_clips(64 if q else 256, frames=args.frames, size=args.size, seed=args.seed)
+    reward = PositionTarget(0.8)
+    data_reward = float(reward(videos, prompts)["position"].mean())
+    t0 = time.time()
+    cached = Path(args.pretrained) if args.pretrained else None
+    if cached is not None and (cached / "model_index.json").exists():
+        gen = VideoGenerator.from_pretrained(cached)
+        if (gen.config.num_frames, gen.config.height) != (args.frames, args.size):
+            raise SystemExit(f"--pretrained {cached} holds a {gen.config.num_frames}-frame {gen.config.height}px model")
+    else:
+        gen = pretrain_toy(videos, prompts, frames=args.frames, size=args.size, steps=args.pretrain_steps, seed=args.seed)
+        if cached is not None:
+            gen.save_pretrained(cached)
+    pretrain_s = time.time() - t0
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base_dir = gen.save_pretrained(Path(tmp) / "base")
+        for method in args.methods.split(","):
+            results[method] = run_method(method, base_dir, args, reward)
+            last = results[method]["curve"][-1]
+            print(f"{method:10s} rounds {results[method]['rounds']:3d}  reward {results[method]['curve'][0]['reward']:+.3f} -> "
+                  f"{last['reward']:+.3f}  diversity {results[method]['curve'][0]['diversity']:.3f} -> {last['diversity']:.3f}", flush=True)  # fmt: skip
+
+    start = float(np.mean([r["curve"][0]["reward"] for r in results.values()]))
+    target = start + args.target_fraction * (0.0 - start)  # part of the way to the known maximum 0
+    times = {m: time_to(r["curve"], target) for m, r in results.items()}
+    for m, r in results.items():
+        print(f"{m:10s} reward vs training seconds: " + ", ".join(f"{p['time_s']:.0f}s {p['reward']:+.3f}" for p in r["curve"]))
+    grpo = results.get("flow_grpo")
+    grpo_time = times.get("flow_grpo")
+    reached = {m: t for m, t in times.items() if t is not None and m != "flow_grpo"}
+    best = min(reached, key=reached.get) if reached else max(
+        (m for m in results if m != "flow_grpo"), key=lambda m: results[m]["curve"][-1]["reward"], default=None
+    )
+    speedup = None
+    if best is not None and grpo is not None and best in reached:
+        denominator = max(reached[best], 1e-9)
+        speedup = (grpo_time if grpo_time is not None else args.budget) / denominator
+    # Flow-GRPO's own end point (smoothed), and how much sooner the others got there.
+    grpo_final = smoothed(grpo["curve"])[-1] if grpo else None
+    to_grpo = {m: time_to(r["curve"], grpo_final) for m, r in results.items()} if grpo else {}
+    grpo_end = to_grpo.get("flow_grpo") or args.budget
+    others = {m: t for m, t in to_grpo.items() if t is not None and m != "flow_grpo"}
+    speedup_final = grpo_end / max(min(others.values()), 1e-9) if others else None
+    div_ratio = (
+        results[best]["curve"][-1]["diversity"] / max(results[best]["curve"][0]["diversity"], 1e-9) if best else None
+    )
+    summary = {
+        "benchmark": "video_rl",
+        "quick": q,
+        "frames": args.frames,
+        "size": args.size,
+        "budget_s_per_method": args.budget,
+        "pretrain_s": round(pretrain_s, 1),
+        "data_reward_mean": round(data_reward, 4),
+        "start_reward": round(start, 4),
+        "target_reward": round(target, 4),
+        "target_fraction_of_gap": args.target_fraction,
+        "time_to_target_s": {m: (round(t, 2) if t is not None else None) for m, t in times.items()},
+        "final_reward": {m: round(r["curve"][-1]["reward"], 4) for m, r in results.items()},
+        "diversity_ratio_by_method": {
+            m: round(r["curve"][-1]["diversity"] / max(r["curve"][0]["diversity"], 1e-9), 3) for m, r in results.items()
+        },
+        "rounds": {m: r["rounds"] for m, r in results.items()},
+        "best_method": best,
+        "flow_grpo_reached_target": grpo_time is not None,
+        "speedup_vs_flow_grpo": round(speedup, 2) if speedup is not None else None,
+        "speedup_is_lower_bound": speedup is not None and grpo_time is None,
+        # The same reward as Flow-GRPO's at the end of its budget: when did each method get there?
+        "flow_grpo_final_reward": round(grpo_final, 4) if grpo_final is not None else None,
+        "time_to_flow_grpo_final_s": {m: (round(t, 2) if t is not None else None) for m, t in to_grpo.items()},
+        "speedup_to_flow_grpo_final": round(speedup_final, 2) if speedup_final is not None else None,
+        "diversity_ratio": round(div_ratio, 3) if div_ratio is not None else None,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "wall_s": round(time.time() - started, 1),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

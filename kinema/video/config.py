@@ -1,0 +1,191 @@
+"""`kinema video train` configuration: typed dataclasses, loaded from YAML (assets/configs/video_*.yaml) with
+dotted overrides on the command line.
+
+    kinema video train --config video_awr --train.rounds 4 --rewards.names '[success, motion]'
+
+An unknown key, in the file or on the command line, is an error that lists the valid keys at that level; an
+unknown method or reward names the valid ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kinema.train import config as train_config
+from kinema.train.config import load_config
+
+METHODS = ("awr", "nft", "distill", "afd", "opsd", "flow_grpo")
+BALANCING = ("gdpo", "weighted_sum")
+OPSD_TEACHERS = ("cfg", "privileged_prompt", "model")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"  # a named preset built offline (policies.video), used unless `path` is set
+    path: str = ""  # a local diffusers directory (WanPipeline layout) or a saved VideoGenerator
+    lora_rank: int = 8  # LoRA rank of the trained adapters
+    lora_alpha: int = 16
+    num_inference_steps: int = 8  # sampling steps of rollouts and evaluation samples
+    guidance_scale: float = 1.0  # CFG scale of evaluation samples (1 = CFG-free, what VideoAWR keeps working)
+
+
+@dataclass
+class DataConfig:
+    task: str = "pick_place"  # sim task whose rollout videos pre-train the model and train the success reward
+    dataset: str = ""  # read the videos from this LeRobotDataset v3 folder instead of collecting them
+    episodes: int = 64  # scripted episodes to collect (a mix of successes and failures, see wrong_grasp)
+    noise: float = 0.05  # expert action noise
+    wrong_grasp: float = 0.4  # share of episodes with a mis-aimed grasp: the failures the success reward learns from
+    camera: str = "agentview"  # which camera's frames make the videos
+    frames: int = 9  # frames per clip (4k + 1 for the Wan VAE)
+    size: int = 32  # clip height and width in pixels (a multiple of 16)
+
+
+@dataclass
+class PretrainConfig:
+    steps: int = 1500  # gradient steps of plain flow matching on the sim videos (0: use the model as loaded)
+    lr: float = 1e-3
+    batch_size: int = 8
+    cfg_dropout: float = 0.1  # share of empty prompts, so that the unconditional branch CFG needs is learnt too
+
+
+@dataclass
+class RewardConfig:
+    names: list[str] = field(default_factory=lambda: ["success"])  # rewards by name (policies.video.rewards)
+    weights: list[float] = field(default_factory=list)  # one per reward (default: all 1)
+    balancing: str = "gdpo"  # gdpo: each reward z-scored within its prompt group, then summed | weighted_sum (then GRPO)
+
+
+@dataclass
+class AnchorConfig:
+    """Every method keeps an anchor to the reference (the pre-trained model with its adapters off): without one,
+    short runs hacked threshold rewards or collapsed to identical samples (DESIGN.md, measured)."""
+
+    ref_weight: float = 0.01  # λ·‖v_θ − v_ref‖² on the trained samples (AWR, NFT, distill, AFD, OPSD)
+    kl_weight: float = 0.04  # Flow-GRPO: β of the per-step KL to the reference's SDE step
+    ref_decay: float = 0.9  # the old/EMA reference adapter follows the trained one: θ_old ← d·θ_old + (1 − d)·θ
+    ref_warmup_updates: int = 0  # updates with d = 0 (the old policy *is* the current one: on-policy start)
+
+
+@dataclass
+class MethodOptions:
+    awr_temperature: float = 1.0  # τ of the VideoAWR energies softmax(A/τ)
+    awr_rollout_guidance: float = 1.5  # CFG scale of the reference's rollouts (the anchor stays unguided); 3.0 stalled
+    # the tiny model (its unconditional branch is weak), 1.0-1.5 learnt (benchmarks/video_rl.py toy)
+    awr_t_low: float = 0.5  # decoupled per-sample timesteps from [t_low, 1] of a 20-step schedule (high noise)
+    nft_beta: float = 1.0  # DiffusionNFT's β
+    adv_clip_max: float = 5.0
+    tilt_beta: float = 1.0  # Stream-R1's exp(β·r) rollout weights (r = the balanced reward advantage)
+    saliency: bool = True  # Stream-R1's reward-gradient saliency weights (needs differentiable rewards)
+    teacher_guidance: float = 1.5  # CFG scale of the teacher (distill's real score, AFD's teacher, OPSD's cfg teacher)
+    teacher_path: str = ""  # another model as teacher (AFD, OPSD teacher=model); "" = the reference itself
+    teacher_videos: str = ""  # AFD: a folder of teacher MP4s, each with a sibling .txt holding its prompt
+    disc_lr: float = 1e-4  # AFD discriminator learning rate (0 invites reward hacking; too high stops learning)
+    opsd_teacher: str = "cfg"  # cfg (guided reference) | privileged_prompt | model (teacher_path)
+    privileged_context: str = "the task succeeds"  # text the privileged-prompt teacher sees after the prompt
+    grpo_clip: float = 1e-4  # Flow-GRPO clip range on mean-reduced log-prob ratios
+    grpo_noise_level: float = 0.7  # Flow-SDE noise level a (σ_t = a·sqrt(t/(1 − t)))
+    grpo_steps_per_update: int = 2  # SDE steps (of num_inference_steps) trained per update
+
+
+@dataclass
+class PostTrainConfig:
+    method: str = "awr"  # awr | nft | distill | afd | opsd | flow_grpo
+    rounds: int = 60  # rollout -> reward -> update rounds
+    prompts_per_round: int = 4  # distinct prompts per round
+    group_size: int = 4  # samples per prompt (the group of group-relative advantages)
+    updates_per_round: int = 8  # gradient steps per round over that round's rollouts
+    batch_size: int = 8
+    lr: float = 1e-3  # LoRA learning rate: at 3e-4 the tiny model barely moved within a CPU budget
+    grad_clip: float = 1.0
+    options: MethodOptions = field(default_factory=MethodOptions)
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 5  # evaluate and checkpoint every this many rounds (and after the last)
+    prompts: int = 4  # evaluation prompts (fixed for the whole run)
+    samples_per_prompt: int = 8  # for the reward mean and the diversity (mean pairwise distance within a prompt)
+    seed: int = 12345  # evaluation noise: the same for every evaluation
+    videos: int = 4  # samples in the before/after grids and MP4s (one per prompt first)
+
+
+@dataclass
+class VideoTrainConfig:
+    out: str = ""  # run folder; default runs/video-<method>-s<seed>
+    seed: int = 0
+    threads: int = 1  # torch threads: one is fastest on a shared CPU (DESIGN.md)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    train: PostTrainConfig = field(default_factory=PostTrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.method not in METHODS:
+            raise ValueError(f"train.method {self.train.method!r} is not known; valid: {', '.join(METHODS)}")
+        if self.rewards.balancing not in BALANCING:
+            raise ValueError(f"rewards.balancing {self.rewards.balancing!r} is not known; valid: {', '.join(BALANCING)}")
+        if not self.rewards.names:
+            raise ValueError("rewards.names is empty; name at least one reward")
+        if self.rewards.weights and len(self.rewards.weights) != len(self.rewards.names):
+            raise ValueError(
+                f"rewards.weights has {len(self.rewards.weights)} entries for {len(self.rewards.names)} rewards "
+                f"({', '.join(self.rewards.names)}); give one weight per reward, or none"
+            )
+        if self.train.options.opsd_teacher not in OPSD_TEACHERS:
+            raise ValueError(
+                f"train.options.opsd_teacher {self.train.options.opsd_teacher!r} is not known; valid: {', '.join(OPSD_TEACHERS)}"
+            )
+        if self.train.options.opsd_teacher == "model" and self.train.method == "opsd" and not self.train.options.teacher_path:
+            raise ValueError("train.options.opsd_teacher is 'model' but train.options.teacher_path is empty")
+        if self.train.group_size < 2:
+            raise ValueError(f"train.group_size must be >= 2 (group-relative advantages); got {self.train.group_size}")
+        if (self.data.frames - 1) % 4:
+            raise ValueError(
+                f"data.frames must be 4k + 1 (the Wan VAE compresses time by 4 after the first frame); got "
+                f"{self.data.frames}: use {4 * max(0, (self.data.frames - 1) // 4) + 1} or {4 * ((self.data.frames - 1) // 4 + 1) + 1}"
+            )
+        if self.data.size % 16:
+            raise ValueError(f"data.size must be a multiple of 16 (the transformer's patches); got {self.data.size}")
+        if not 0.0 <= self.anchor.ref_decay < 1.0:
+            raise ValueError(f"anchor.ref_decay must be in [0, 1); got {self.anchor.ref_decay}")
+        for name, value in (
+            ("pretrain.steps", self.pretrain.steps),
+            ("train.rounds", self.train.rounds),
+            ("train.updates_per_round", self.train.updates_per_round),
+            ("anchor.ref_weight", self.anchor.ref_weight),
+            ("anchor.kl_weight", self.anchor.kl_weight),
+        ):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0; got {value}")
+        for name, value in (
+            ("train.prompts_per_round", self.train.prompts_per_round),
+            ("train.batch_size", self.train.batch_size),
+            ("eval.interval", self.eval.interval),
+            ("eval.samples_per_prompt", self.eval.samples_per_prompt),
+            ("model.num_inference_steps", self.model.num_inference_steps),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1; got {value}")
+
+    def run_dir(self) -> Path:
+        return Path(self.out or f"runs/video-{self.train.method}-s{self.seed}")
+
+
+def load_video_config(config_path: str | None = None, overrides: list[str] | None = None) -> VideoTrainConfig:
+    """VideoTrainConfig from an optional YAML file (a path or a shipped name such as `video_awr`) plus
+    `--a.b value` / `--a.b=value` overrides (kinema's one config loader, `kinema.train.config.load_config`)."""
+    return load_config(config_path, overrides, config_class=VideoTrainConfig)
+
+
+def config_keys_help() -> str:
+    """Every dotted config key with its default, for `kinema video train --help`."""
+    return train_config.config_keys_help(VideoTrainConfig)
+
+
+def dump_config(config: VideoTrainConfig) -> str:
+    return train_config.dump_config(config)

@@ -1,0 +1,165 @@
+"""What a person looks at after `kinema video train`: reward curves, sample grids, MP4s, report.md.
+
+Every file is written to a temporary name and renamed, so an interrupted run never leaves a broken picture.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from torch import Tensor
+
+from kinema.media import write_mp4
+
+
+def _save(fig: Any, path: Path, dpi: int = 110) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def to_uint8(videos: Tensor) -> np.ndarray:
+    """(B, F, C, H, W) in [0, 1] -> uint8 (B, F, H, W, C)."""
+    return (videos.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 1, 3, 4, 2).cpu().numpy()
+
+
+def tile(videos: Tensor, *, scale: int = 4, gap: int = 2) -> np.ndarray:
+    """Samples side by side, each frame enlarged `scale`× (nearest): uint8 (F, H·s, B·(W·s + gap) − gap, 3)."""
+    frames = to_uint8(videos).repeat(scale, axis=2).repeat(scale, axis=3)  # (B, F, H, W, C)
+    b, f, h, w, c = frames.shape
+    out = np.full((f, h, b * (w + gap) - gap, c), 255, np.uint8)
+    for i in range(b):
+        out[:, :, i * (w + gap) : i * (w + gap) + w] = frames[i]
+    return out
+
+
+def write_grid(videos: Tensor, path: Path, *, prompts: list[str] | None = None, title: str = "") -> Path:
+    """A sample grid PNG: one row per sample, one column per frame."""
+    frames = to_uint8(videos)
+    b, f = frames.shape[:2]
+    fig, axes = plt.subplots(b, f, figsize=(1.0 * f + 0.2, 1.05 * b + 0.4), squeeze=False)
+    for i in range(b):
+        for j in range(f):
+            ax = axes[i][j]
+            ax.imshow(frames[i, j], interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if j == 0 and prompts:
+                ax.set_ylabel(prompts[i][:28], fontsize=5, rotation=0, ha="right", va="center")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def write_videos_mp4(videos: Tensor, path: Path, *, fps: float = 4.0) -> Path:
+    """The samples side by side as one MP4 (frames enlarged so that 32-pixel videos can be seen)."""
+    return write_mp4(path, tile(videos), fps)
+
+
+def write_reward_curves(records: list[dict[str, Any]], path: Path) -> Path:
+    """One panel per reward (evaluation samples at fixed noise, and the round's rollouts), plus diversity."""
+    evals = [r for r in records if r.get("kind") == "eval"]
+    rounds = [r for r in records if r.get("kind") == "round"]
+    names = sorted({k.split("/", 1)[1] for r in evals for k in r if k.startswith("eval/") and k != "eval/diversity"})
+    panels = names + ["diversity"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False)
+    for ax, name in zip(axes[0], panels):
+        key = f"eval/{name}"
+        pts = [(r["round"], r[key]) for r in evals if key in r]
+        if pts:
+            x, y = zip(*pts)
+            ax.plot(x, y, marker="o", label="evaluation (CFG-free, fixed noise)")
+        rkey = f"rollout/{name}"
+        pts = [(r["round"], r[rkey]) for r in rounds if rkey in r]
+        if pts:
+            x, y = zip(*pts)
+            ax.plot(x, y, marker=".", alpha=0.6, label="rollouts")
+        ax.set_xlabel("round")
+        ax.set_title(name if name != "diversity" else "diversity (mean pairwise RMS distance)", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) else "–"
+
+
+def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
+    evals = [r for r in records if r.get("kind") == "eval"]
+    before = next((r for r in evals if r.get("stage") == "before"), None)
+    after = next((r for r in reversed(evals) if r.get("stage") == "after"), None)
+    pre = next((r for r in records if r.get("kind") == "pretrain"), None)
+    succ = next((r for r in records if r.get("kind") == "success_reward"), None)
+    rounds = [r for r in records if r.get("kind") == "round"]
+    t = cfg.train
+    lines = [
+        f"# kinema video train: method `{t.method}`, rewards {', '.join(cfg.rewards.names)}",
+        "",
+        f"Model `{cfg.model.path or cfg.model.preset}`, {cfg.data.frames} frames of {cfg.data.size}×{cfg.data.size}, "
+        f"{cfg.model.num_inference_steps} sampling steps, LoRA rank {cfg.model.lora_rank}. "
+        f"Post-training: {t.rounds} rounds × {t.prompts_per_round} prompts × {t.group_size} samples, "
+        f"{t.updates_per_round} updates per round; reference anchor weight {cfg.anchor.ref_weight}"
+        + (f", KL weight {cfg.anchor.kl_weight}" if t.method == "flow_grpo" else "")
+        + f"; rewards balanced by {cfg.rewards.balancing}.",
+        "",
+    ]
+    if pre:
+        lines += [
+            f"Pre-training on {pre.get('clips', '?')} sim clips of `{cfg.data.task}` ({pre.get('prompts', '?')} prompts): "
+            f"{pre.get('steps', 0)} steps, flow loss {_fmt(pre.get('loss_first'))} → {_fmt(pre.get('loss_last'))}"
+            + (" (loaded from the run folder)" if pre.get("loaded") else "")
+            + ".",
+            "",
+        ]
+    if succ:
+        lines += [
+            f"Success reward (held-out sim clips): AUC {_fmt(succ.get('auc'))}, Brier {_fmt(succ.get('brier'))}, "
+            f"ECE {_fmt(succ.get('ece'))} (n={int(succ.get('n', 0))}). Calibration: [success_calibration.png](success_calibration.png).",
+            "",
+        ]
+    keys = sorted({k for r in (before or {}, after or {}) for k in r if k.startswith("eval/")})
+    if keys:
+        lines += ["Evaluation samples (CFG-free, the same noise before and after):", "", "| metric | before | after | change |", "|---|---|---|---|"]
+        for k in keys:
+            b, a = (before or {}).get(k), (after or {}).get(k)
+            change = f"{a - b:+.4g}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) else "–"
+            lines.append(f"| {k.removeprefix('eval/')} | {_fmt(b)} | {_fmt(a)} | {change} |")
+        if before and after and before.get("eval/diversity"):
+            lines += ["", f"Diversity after / before: {after['eval/diversity'] / before['eval/diversity']:.2f}."]
+        lines.append("")
+    if rounds and "time_s" in rounds[-1]:
+        lines += [f"Wall clock of the whole run (sim videos, reward, pre-training, post-training): {rounds[-1]['time_s']:.0f} s.", ""]
+    lines += [
+        "![reward curves](reward_curves.png)",
+        "",
+        "Samples before: ![before](samples/before.png)",
+        "",
+        "Samples after: ![after](samples/after.png)",
+        "",
+        "Videos: " + ", ".join(f"[{p.name}](samples/{p.name})" for p in sorted((root / "samples").glob("*.mp4"))),
+        "",
+        "Metrics: `metrics.jsonl` (one JSON object per line). Checkpoints in `checkpoints/` (LoRA adapters, optimiser, "
+        "EMA reference, RNG states); the pre-trained generator in `pretrained/` (`VideoGenerator.from_pretrained`).",
+    ]
+    path = root / "report.md"
+    tmp = path.with_name(".report.md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return path

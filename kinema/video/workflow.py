@@ -1,0 +1,338 @@
+"""`kinema video train`: sim videos -> success reward -> pre-trained tiny generator -> post-training -> report.
+
+Reads top to bottom:
+    1. set up the run folder (or resume one);
+    2. sim rollout videos: scripted episodes of `data.task` with noise and wrong grasps (successes and failures),
+       or a LeRobotDataset folder; cut into clips of `data.frames` × `data.size`²; prompts = task instructions;
+    3. the rewards; the success reward is fitted on those clips (held-out calibration logged), once per run;
+    4. the generator: loaded from the run folder, from `model.path`, or built from the preset and pre-trained by
+       plain flow matching on the clips;
+    5. post-training rounds with the chosen method (`VideoTrainer`), evaluated and checkpointed every
+       `eval.interval` rounds; Ctrl-C saves and exits;
+    6. evaluation after, sample grids and MP4s before/after, reward curves, report.md.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from diffusion_rl.data.lerobot_v3 import read_episodes, write_episodes
+from kinema.sim_commands import progress_bar
+from kinema.train.workflow import Run
+from kinema.video.config import VideoTrainConfig, dump_config
+from kinema.video.report import write_grid, write_report, write_reward_curves, write_videos_mp4
+from kinema.video.trainer import VideoTrainer
+from policies.video.rewards import RewardSet, SuccessReward, VideoClips, VideoSuccessConfig, episode_clips, make_rewards
+
+SIM_DIR = "sim_videos"
+PRETRAINED_DIR = "pretrained"
+SUCCESS_DIR = "success_reward"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. Sim videos
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def sim_clips(cfg: VideoTrainConfig, run: Run, console: Console) -> VideoClips:
+    """The sim rollout clips: read from `data.dataset`, from the run folder, or collected (and saved there)."""
+    from sim.experts import ExpertConfig
+    from sim.rollout import collect_demos
+
+    d = cfg.data
+    folder = run.root / SIM_DIR
+    if d.dataset:
+        episodes = read_episodes(d.dataset)
+    elif (folder / "meta" / "info.json").exists():
+        episodes = read_episodes(folder)
+    else:
+        with progress_bar(console) as bar:
+            job = bar.add_task("sim videos", total=d.episodes, status=d.task)
+            episodes = collect_demos(
+                d.task, d.episodes, seeds=range(cfg.seed * 10_000, cfg.seed * 10_000 + d.episodes),
+                expert=ExpertConfig(noise=d.noise, wrong_grasp=d.wrong_grasp), num_envs=4,
+                image_size=max(64, d.size), on_episode=lambda ep: bar.update(job, advance=1),
+            )  # fmt: skip
+        write_episodes(folder, episodes)
+    return episode_clips(episodes, frames=d.frames, size=d.size, camera=d.camera)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. Rewards
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_rewards(cfg: VideoTrainConfig, clips: VideoClips | None, run: Run, console: Console) -> RewardSet:
+    """The configured rewards; `success` is the success model fitted on the sim clips (saved in the run folder)."""
+    specs: list[Any] = []
+    for name in cfg.rewards.names:
+        if name == "success":
+            specs.append(success_reward(cfg, clips, run, console))
+        else:
+            specs.append(name)
+    # Weights key by score name; each built-in reward but `flow` returns one score named like the reward.
+    weights = dict(zip(cfg.rewards.names, cfg.rewards.weights)) if cfg.rewards.weights else None
+    return make_rewards(specs, weights=weights, balance=cfg.rewards.balancing)
+
+
+def success_reward(cfg: VideoTrainConfig, clips: VideoClips | None, run: Run, console: Console) -> SuccessReward:
+    folder = run.root / SUCCESS_DIR
+    if (folder / "config.json").exists():
+        return SuccessReward.load(folder)
+    if clips is None:
+        raise ValueError("the success reward needs sim clips to be fitted on")
+    # A held-out quarter of each outcome, so that the calibration numbers see both.
+    g = torch.Generator().manual_seed(cfg.seed)
+    val_idx, train_idx = [], []
+    for outcome in (True, False):
+        members = torch.nonzero(clips.success == outcome).flatten()
+        members = members[torch.randperm(len(members), generator=g)]
+        k = max(1, len(members) // 4) if len(members) > 1 else 0
+        val_idx += members[:k].tolist()
+        train_idx += members[k:].tolist()
+    val, train = clips.subset(val_idx), clips.subset(train_idx)
+    n_val = len(val)
+    reward = SuccessReward(VideoSuccessConfig(frames=cfg.data.frames, size=cfg.data.size))
+    steps = 400
+    with progress_bar(console) as bar:
+        job = bar.add_task("success reward", total=steps, status="")
+        reward.fit(train, steps=steps, seed=cfg.seed, progress=lambda i, s: bar.update(job, advance=1))
+    metrics = reward.calibration_figure(val, run.root / "success_calibration.png")
+    run.log({"kind": "success_reward", "train_clips": len(train), **metrics})
+    console.print(f"success reward: held-out AUC {metrics['auc']:.2f}, Brier {metrics['brier']:.3f} (n={n_val})")
+    reward.save(folder)
+    return reward
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. The pre-trained generator
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def pretrained_generator(cfg: VideoTrainConfig, clips: VideoClips | None, run: Run, console: Console):
+    """Load the generator pre-trained in this run folder, or build it and pre-train it on the sim clips."""
+    from policies.video.generator import VideoGenerator
+
+    folder = run.root / PRETRAINED_DIR
+    if folder.exists():
+        return VideoGenerator.from_pretrained(folder)
+    if cfg.model.path:
+        gen = VideoGenerator.from_pretrained(cfg.model.path)
+    else:
+        gen = VideoGenerator.from_preset(
+            cfg.model.preset, seed=cfg.seed, num_frames=cfg.data.frames, height=cfg.data.size, width=cfg.data.size
+        )
+    record: dict[str, Any] = {"kind": "pretrain", "steps": cfg.pretrain.steps}
+    if cfg.pretrain.steps and clips is not None:
+        p = cfg.pretrain
+        with progress_bar(console) as bar:
+            job = bar.add_task("pre-training", total=p.steps, status="")
+
+            def on_step(step: int, loss: float) -> None:
+                bar.update(job, advance=1, **({"status": f"loss {loss:.4f}"} if step % 20 == 0 else {}))
+
+            record.update(pretrain(gen, clips.videos, clips.prompts, steps=p.steps, lr=p.lr, batch_size=p.batch_size,
+                                   seed=cfg.seed, cfg_dropout=p.cfg_dropout, on_step=on_step))  # fmt: skip
+    gen.save_pretrained(folder)
+    run.log(record)
+    return gen
+
+
+def pretrain(
+    gen: Any,
+    videos: torch.Tensor,
+    prompts: list[str],
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    cfg_dropout: float = 0.1,
+    on_step: Callable[[int, float], None] | None = None,
+) -> dict[str, Any]:
+    """Plain conditional flow matching of the base transformer (before any adapter) on clips (N, F, C, H, W).
+
+    A share `cfg_dropout` of the prompts is replaced by the negative (empty) prompt, so that the unconditional
+    branch that classifier-free guidance needs is learnt too: without it, CFG rollouts (VideoAWR's reference,
+    the guided teachers) extrapolate from an untrained prediction and come out as noise.
+    """
+    with torch.no_grad():
+        latents = torch.cat([gen.encode_video(videos[i : i + 32]) for i in range(0, len(videos), 32)])
+        embeds = gen.encode_prompts(prompts)
+        empty = gen.negative_prompt_embeds(1)
+    params = gen.base_parameters()
+    for q in params:
+        q.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(steps, 1), eta_min=lr * 0.1)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    gen.train()
+    for step in range(steps):
+        idx = torch.randint(0, len(latents), (min(batch_size, len(latents)),), generator=g)
+        drop = torch.rand(len(idx), generator=g) < cfg_dropout
+        emb = torch.where(drop[:, None, None], empty, embeds[idx])
+        loss = gen.flow_loss({"x0": latents[idx], "prompt_embeds": emb}).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    gen.eval()
+    for q in params:
+        q.requires_grad_(False)
+    k = max(1, min(50, len(losses) // 10))
+    return {
+        "clips": len(videos),
+        "prompts": len(set(prompts)),
+        "loss_first": float(np.mean(losses[:k])) if losses else float("nan"),
+        "loss_last": float(np.mean(losses[-k:])) if losses else float("nan"),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Teachers (AFD, OPSD): another generator, or a folder of videos
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_teacher_clips(folder: str | Path, *, frames: int, size: int) -> dict[str, torch.Tensor]:
+    """A black-box teacher as a folder of MP4s, each with a sibling `.txt` holding its prompt:
+    {prompt: clips (N, frames, 3, size, size) in [0, 1]} (frames spread over the video, area-resized)."""
+    import cv2
+
+    from kinema.media import read_mp4
+
+    root = Path(folder)
+    videos = sorted(root.glob("*.mp4"))
+    if not videos:
+        raise FileNotFoundError(f"train.options.teacher_videos: no .mp4 file in {root}")
+    out: dict[str, list[torch.Tensor]] = {}
+    for path in videos:
+        prompt_file = path.with_suffix(".txt")
+        if not prompt_file.is_file():
+            raise FileNotFoundError(f"teacher video {path.name} has no prompt file {prompt_file.name} beside it")
+        raw = read_mp4(path)
+        picked = raw[np.round(np.linspace(0, len(raw) - 1, frames)).astype(int)]
+        picked = np.stack([cv2.resize(f, (size, size), interpolation=cv2.INTER_AREA) for f in picked])
+        out.setdefault(prompt_file.read_text().strip(), []).append(torch.from_numpy(picked).permute(0, 3, 1, 2).float() / 255.0)
+    return {p: torch.stack(v) for p, v in out.items()}
+
+
+def teachers(cfg: VideoTrainConfig) -> tuple[Any | None, dict[str, torch.Tensor] | None]:
+    """(teacher generator, teacher clips) as the method's options ask; (None, None) = the guided reference."""
+    o, method = cfg.train.options, cfg.train.method
+    clips = load_teacher_clips(o.teacher_videos, frames=cfg.data.frames, size=cfg.data.size) if method == "afd" and o.teacher_videos else None
+    model = None
+    if o.teacher_path and (method == "afd" and clips is None or method == "opsd" and o.opsd_teacher == "model"):
+        from policies.video.generator import VideoGenerator
+
+        model = VideoGenerator.from_pretrained(o.teacher_path)
+    return model, clips
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The whole run
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console | None = None) -> Path:
+    console = console or Console(stderr=True)
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    started = time.time()
+
+    # 1. Run folder ------------------------------------------------------------------------------------------------
+    run = Run(cfg.run_dir(), console)
+    state = run.state() if resume else {}
+    if resume and not state:
+        raise FileNotFoundError(f"nothing to resume in {run.root}: no state.json (start it without --resume)")
+    if not resume and run.state():
+        raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
+    (run.root / "config.yaml").write_text(dump_config(cfg))
+    samples = run.root / "samples"
+
+    # 2-4. Sim videos, rewards, the pre-trained generator (each read back from the run folder when there) -----------
+    need_clips = not (run.root / PRETRAINED_DIR).exists() or (
+        "success" in cfg.rewards.names and not (run.root / SUCCESS_DIR / "config.json").exists()
+    )
+    clips = sim_clips(cfg, run, console) if need_clips else None
+    prompts = sorted(set(clips.prompts)) if clips is not None else state.get("prompts", [])
+    rewards = build_rewards(cfg, clips, run, console)
+    generator = pretrained_generator(cfg, clips, run, console)
+
+    # 5. Post-training ---------------------------------------------------------------------------------------------
+    teacher, teacher_clips = teachers(cfg)
+    if teacher_clips is not None:
+        prompts = sorted(teacher_clips)  # AFD on a folder: the student learns the teacher's prompts
+    trainer = VideoTrainer(cfg, generator, rewards, prompts, teacher=teacher, teacher_clips=teacher_clips)
+    latest = state.get("latest_checkpoint")
+    if latest:
+        trainer.load(run.root / latest)
+        console.print(f"resumed {run.root} after {latest} (round {trainer.round})")
+    else:
+        with console.status("evaluating the pre-trained generator"):
+            record, videos = trainer.evaluate()
+        run.log({"kind": "eval", "stage": "before", "round": 0, **record})
+        shown, shown_prompts = trainer.showcase(videos, cfg.eval.videos)
+        write_grid(shown, samples / "before.png", prompts=shown_prompts, title="before post-training")
+        write_videos_mp4(shown, samples / "before.mp4")
+        state = {"round": 0, "prompts": prompts, "latest_checkpoint": None, "elapsed_s": time.time() - started}
+        run.save_state(state)
+
+    t = cfg.train
+    elapsed0 = state.get("elapsed_s", 0.0)
+    try:
+        with progress_bar(console) as bar:
+            job = bar.add_task(f"post-training ({t.method})", total=t.rounds * t.updates_per_round,
+                               completed=trainer.round * t.updates_per_round, status="")  # fmt: skip
+            while trainer.round < t.rounds:
+                bar.update(job, status=f"round {trainer.round + 1}: rollouts")
+                record = trainer.train_round(on_update=lambda: bar.update(job, advance=1))
+                record["time_s"] = elapsed0 + time.time() - started
+                if trainer.round % cfg.eval.interval == 0 or trainer.round == t.rounds:
+                    bar.update(job, status=f"round {trainer.round}: evaluating")
+                    ev, _ = trainer.evaluate()
+                    run.log(record)
+                    run.log({"kind": "eval", "stage": "round", "round": trainer.round, **ev})
+                    name = f"checkpoints/round-{trainer.round:03d}"
+                    trainer.save(run.root / name)
+                    state = {**state, "round": trainer.round, "latest_checkpoint": name, "elapsed_s": record["time_s"], "final_done": False}
+                    run.save_state(state)
+                    shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3g}" for k, v in ev.items())
+                    bar.update(job, status=f"round {trainer.round}: {shown}")
+                else:
+                    run.log(record)
+    except KeyboardInterrupt:
+        name = "checkpoints/interrupted"
+        trainer.save(run.root / name)
+        run.save_state({**state, "round": trainer.round, "latest_checkpoint": name})
+        console.print(f"[yellow]interrupted: saved {run.root / name}; continue with `kinema video train --resume {run.root}`")
+        raise
+
+    # 6. After: evaluation, pictures, report ------------------------------------------------------------------------
+    if not state.get("final_done"):
+        ev, videos = trainer.evaluate()
+        run.log({"kind": "eval", "stage": "after", "round": trainer.round, **ev})
+        shown, shown_prompts = trainer.showcase(videos, cfg.eval.videos)
+        write_grid(shown, samples / "after.png", prompts=shown_prompts, title=f"after {t.method}")
+        write_videos_mp4(shown, samples / "after.mp4")
+        state["final_done"] = True
+        run.save_state(state)
+    records = run.records()
+    write_reward_curves(records, run.root / "reward_curves.png")
+    write_report(cfg, records, run.root)
+    summary = {k: v for k, v in next(r for r in reversed(records) if r.get("stage") == "after").items() if k.startswith("eval/")}
+    console.print(f"after {t.method}: {json.dumps({k: round(v, 4) for k, v in summary.items()})}")
+    console.print(f"report: {run.root / 'report.md'}")
+    return run.root
