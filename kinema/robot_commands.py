@@ -222,20 +222,3 @@ def deploy(args: argparse.Namespace) -> int:
         _emit(summary)
     return 130 if interrupted else 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kinema.robot_commands deploy|sim-robot ...`: the same commands outside `kinema`'s CLI."""
-    parser = argparse.ArgumentParser(prog="kinema")
-    add_robot_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return run_robot_command(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"kinema: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

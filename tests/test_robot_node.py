@@ -503,7 +503,7 @@ def test_expert_replay_is_indexed_by_episode_time_with_one_tick_of_lag():
 
 
 def test_deploy_without_a_robot_fails_with_a_clear_error(capsys):
-    from kinema.robot_commands import main
+    from kinema.cli import main
 
     code = main(["deploy", "--policy", "scripted:zero", "--backend", "inproc", "--wait-robot", "0.2"])
     assert code == 2
@@ -537,7 +537,7 @@ def test_deploy_records_with_the_robots_own_recorder_config(tmp_path):
 
 
 def test_deploy_keys_need_a_recording(capsys):
-    from kinema.robot_commands import main
+    from kinema.cli import main
 
     assert main(["deploy", "--policy", "scripted:zero", "--backend", "inproc", "--keys"]) == 2
     assert "--keys marks recorded episodes: it needs --record DIR" in capsys.readouterr().err
@@ -761,7 +761,7 @@ def test_deploy_keys_mark_the_recorded_episode_and_q_quits(tmp_path, monkeypatch
     import os
     import time
 
-    from kinema.robot_commands import main
+    from kinema.cli import main
     from robot.transport.inproc import DEFAULT_BUS
 
     read_fd, write_fd = os.pipe()
