@@ -7,6 +7,7 @@ then branches from that same checkpoint and the same demonstrations, through the
     sft_continued  continued SFT on the demos, same gradient steps (the control arm)
     awr            single-critic advantage-weighted regression
     habc           hierarchical advantage weighting (viability + efficiency, gated)
+    habc_mc        HABC with Monte-Carlo efficiency targets (our variant)
     habc_hil       HABC with the simulated human in the loop
     habc_nogate    ablation: fixed mix instead of the state-adaptive gate
     habc_nocredit  ablation: no intervention-aware credit (with the human in the loop, where it matters)
@@ -35,6 +36,8 @@ METHODS: dict[str, list[str]] = {
     "awr": ["--rl.method", "awr"],
     "flow_ppo": ["--rl.method", "flow_ppo"],
     "habc": ["--rl.method", "habc"],
+    # our variant: V_e regresses on observed steps-to-success instead of the paper's TD target
+    "habc_mc": ["--rl.method", "habc", "--rl.habc.efficiency_target", "mc", "--rl.habc.value_scale", "50"],
     "habc_hil": ["--rl.method", "habc", "--rl.interventions", "true"],
     "habc_nogate": ["--rl.method", "habc", "--rl.habc.gate", "fixed_mix"],
     "habc_nocredit": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_credit", "false"],
