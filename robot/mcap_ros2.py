@@ -24,36 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from robot.messages import MESSAGE_TYPES
-
-# ros_type -> its own .msg text (upstream field order and types). Types of the same package may be named without
-# their package, as upstream does (`MultiArrayDimension[] dim`).
-MSG_DEFINITIONS: dict[str, str] = {
-    "builtin_interfaces/msg/Time": "int32 sec\nuint32 nanosec\n",
-    "builtin_interfaces/msg/Duration": "int32 sec\nuint32 nanosec\n",
-    "std_msgs/msg/Header": "builtin_interfaces/Time stamp\nstring frame_id\n",
-    "std_msgs/msg/Bool": "bool data\n",
-    "std_msgs/msg/String": "string data\n",
-    "std_msgs/msg/MultiArrayDimension": "string label\nuint32 size\nuint32 stride\n",
-    "std_msgs/msg/MultiArrayLayout": "MultiArrayDimension[] dim\nuint32 data_offset\n",
-    "std_msgs/msg/Float64MultiArray": "MultiArrayLayout layout\nfloat64[] data\n",
-    "sensor_msgs/msg/JointState": (
-        "std_msgs/Header header\nstring[] name\nfloat64[] position\nfloat64[] velocity\nfloat64[] effort\n"
-    ),
-    "sensor_msgs/msg/Image": (
-        "std_msgs/Header header\nuint32 height\nuint32 width\nstring encoding\nuint8 is_bigendian\nuint32 step\n"
-        "uint8[] data\n"
-    ),
-    "sensor_msgs/msg/CompressedImage": "std_msgs/Header header\nstring format\nuint8[] data\n",
-    "sensor_msgs/msg/Joy": "std_msgs/Header header\nfloat32[] axes\nint32[] buttons\n",
-    "trajectory_msgs/msg/JointTrajectoryPoint": (
-        "float64[] positions\nfloat64[] velocities\nfloat64[] accelerations\nfloat64[] effort\n"
-        "builtin_interfaces/Duration time_from_start\n"
-    ),
-    "trajectory_msgs/msg/JointTrajectory": (
-        "std_msgs/Header header\nstring[] joint_names\nJointTrajectoryPoint[] points\n"
-    ),
-}
+from robot.messages import MESSAGE_TYPES, MSG_DEFINITIONS
 
 _PRIMITIVES = {"bool", "byte", "char", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32",
                "int64", "uint64", "string", "wstring"}

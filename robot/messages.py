@@ -207,3 +207,40 @@ MESSAGE_TYPES: dict[str, type] = {
         JointState, Image, CompressedImage, Joy, JointTrajectoryPoint, JointTrajectory,
     )
 }
+
+# ros_type -> its upstream .msg text: field order and exact types. The one source for the wire formats (the DDS
+# codec's integer widths, the MCAP schemas); a test checks the dataclasses above follow it field for field. Types of the same package may be named without
+# their package, as upstream does (`MultiArrayDimension[] dim`).
+MSG_DEFINITIONS: dict[str, str] = {
+    "builtin_interfaces/msg/Time": "int32 sec\nuint32 nanosec\n",
+    "builtin_interfaces/msg/Duration": "int32 sec\nuint32 nanosec\n",
+    "std_msgs/msg/Header": "builtin_interfaces/Time stamp\nstring frame_id\n",
+    "std_msgs/msg/Bool": "bool data\n",
+    "std_msgs/msg/String": "string data\n",
+    "std_msgs/msg/MultiArrayDimension": "string label\nuint32 size\nuint32 stride\n",
+    "std_msgs/msg/MultiArrayLayout": "MultiArrayDimension[] dim\nuint32 data_offset\n",
+    "std_msgs/msg/Float64MultiArray": "MultiArrayLayout layout\nfloat64[] data\n",
+    "sensor_msgs/msg/JointState": (
+        "std_msgs/Header header\nstring[] name\nfloat64[] position\nfloat64[] velocity\nfloat64[] effort\n"
+    ),
+    "sensor_msgs/msg/Image": (
+        "std_msgs/Header header\nuint32 height\nuint32 width\nstring encoding\nuint8 is_bigendian\nuint32 step\n"
+        "uint8[] data\n"
+    ),
+    "sensor_msgs/msg/CompressedImage": "std_msgs/Header header\nstring format\nuint8[] data\n",
+    "sensor_msgs/msg/Joy": "std_msgs/Header header\nfloat32[] axes\nint32[] buttons\n",
+    "trajectory_msgs/msg/JointTrajectoryPoint": (
+        "float64[] positions\nfloat64[] velocities\nfloat64[] accelerations\nfloat64[] effort\n"
+        "builtin_interfaces/Duration time_from_start\n"
+    ),
+    "trajectory_msgs/msg/JointTrajectory": (
+        "std_msgs/Header header\nstring[] joint_names\nJointTrajectoryPoint[] points\n"
+    ),
+}
+
+
+def msg_fields(ros_type: str) -> list[tuple[str, str]]:
+    """(type, name) per field of `ros_type`'s .msg text, e.g. [("int32", "sec"), ("uint32", "nanosec")]."""
+    if ros_type not in MSG_DEFINITIONS:
+        raise KeyError(f"no .msg definition for {ros_type!r}; known: {', '.join(sorted(MSG_DEFINITIONS))}")
+    return [tuple(line.split()[:2]) for line in MSG_DEFINITIONS[ros_type].splitlines() if line.strip()]

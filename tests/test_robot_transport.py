@@ -564,3 +564,14 @@ def test_field_errors_name_the_field():
         to_wire(m.JointState(header=m.Header(stamp=m.Time(sec=1.5))))  # a float is not silently truncated
     with pytest.raises(ValueError, match=r"JointState.name=\['a', 3\]: expected str, got int"):
         to_wire(m.JointState(name=["a", 3]))
+
+
+def test_message_dataclasses_follow_their_msg_definitions_field_for_field():
+    import dataclasses
+
+    from robot.messages import MESSAGE_TYPES, msg_fields
+
+    for ros_type, cls in MESSAGE_TYPES.items():
+        assert [f.name for f in dataclasses.fields(cls)] == [name for _, name in msg_fields(ros_type)], ros_type
+    with pytest.raises(KeyError, match="no .msg definition"):
+        msg_fields("std_msgs/msg/Nope")

@@ -9,7 +9,7 @@ What makes a real ROS 2 node (rmw_cyclonedds_cpp) see our topics and we see its:
 - the domain is ROS_DOMAIN_ID (`make_transport` passes it).
 
 The wire types are derived once, generically, from the `robot.messages` dataclasses (their annotations and field
-order); the only hand-written table is the integer widths that a Python `int` cannot say (`_INT_WIDTHS`).
+order); integer widths, which a Python `int` cannot say, come from the .msg text in `robot.messages`.
 
 Network rule: unless the caller passes a config or has set CYCLONEDDS_URI, a transport runs on the shipped loopback
 configuration (`LOOPBACK_CONFIG`), so that nothing leaves this machine. A robot on a LAN sets CYCLONEDDS_URI or
@@ -44,6 +44,7 @@ from cyclonedds.topic import Topic
 from cyclonedds.util import duration
 
 import robot.messages as messages
+from robot.messages import msg_fields
 from robot.transport.base import QOS_DEFAULT, Publisher, QoS, Subscription, Transport, check_topic
 from robot.transport.loopback import LOOPBACK_CONFIG, loopback_environment
 
@@ -83,16 +84,17 @@ def dds_type_name(ros_type: str) -> str:
 # Wire types and conversion: one generic codec per message dataclass
 # ----------------------------------------------------------------------------------------------------------------
 
-# Integer widths from the upstream .msg files (a Python `int` does not carry one). Every other field's IDL type
-# follows from its annotation: bool, str, bytes (uint8[]), list[str], a nested message, a list of messages, or an
-# ndarray whose element type is the dtype of the field's default.
-_INT_WIDTHS: dict[str, dict[str, Any]] = {
-    "builtin_interfaces/msg/Time": {"sec": idl.int32, "nanosec": idl.uint32},
-    "builtin_interfaces/msg/Duration": {"sec": idl.int32, "nanosec": idl.uint32},
-    "std_msgs/msg/MultiArrayDimension": {"size": idl.uint32, "stride": idl.uint32},
-    "std_msgs/msg/MultiArrayLayout": {"data_offset": idl.uint32},
-    "sensor_msgs/msg/Image": {"height": idl.uint32, "width": idl.uint32, "is_bigendian": idl.uint8, "step": idl.uint32},
-}
+# Integer widths come from the upstream .msg text (`robot.messages.MSG_DEFINITIONS`): a Python `int` does not carry
+# one. Every other field's IDL type follows from its annotation: bool, str, bytes (uint8[]), list[str], a nested
+# message, a list of messages, or an ndarray whose element type is the dtype of the field's default.
+_IDL_INTS = {"int8": idl.int8, "uint8": idl.uint8, "int16": idl.int16, "uint16": idl.uint16, "int32": idl.int32,
+             "uint32": idl.uint32, "int64": idl.int64, "uint64": idl.uint64}
+
+
+def _int_widths(ros_type: str) -> dict[str, Any]:
+    return {name: _IDL_INTS[ftype] for ftype, name in msg_fields(ros_type) if ftype in _IDL_INTS}
+
+
 _DTYPES: dict[np.dtype, Any] = {
     np.dtype(np.float64): idl.float64,
     np.dtype(np.float32): idl.float32,
@@ -155,7 +157,7 @@ def _check_message_type(msg_type: Any) -> str:
 
 def _build_codec(msg_type: type) -> WireCodec:
     ros_type = _check_message_type(msg_type)
-    widths = _INT_WIDTHS.get(ros_type, {})
+    widths = _int_widths(ros_type)
     fields = dataclasses.fields(msg_type)
     hints = typing.get_type_hints(msg_type)
     wire_fields: dict[str, Any] = {}
@@ -168,7 +170,7 @@ def _build_codec(msg_type: type) -> WireCodec:
         origin = typing.get_origin(ann)
         if ann is int:
             if f.name not in widths:
-                raise TypeError(f"{ros_type}.{f.name}: integer field without an IDL width in _INT_WIDTHS")
+                raise TypeError(f"{ros_type}.{f.name}: integer field without an integer type in its .msg definition")
             # operator.index: an int or numpy integer, never a float silently truncated
             wire_fields[f.name], to, back = widths[f.name], operator.index, _identity
         elif ann is bool:
