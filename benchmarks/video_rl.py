@@ -49,6 +49,7 @@ from policies.video.rewards import VideoReward, make_rewards  # noqa: E402
 
 COLOURS = {"red": (0.9, 0.15, 0.1), "green": (0.1, 0.8, 0.2), "blue": (0.15, 0.25, 0.95), "yellow": (0.95, 0.9, 0.1)}
 METHODS = ("awr", "nft", "distill", "flow_grpo")
+MIN_DIVERSITY = 0.5  # diversity_ratio (final / initial within-prompt diversity) below this counts as collapsed
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -127,8 +128,9 @@ def run_method(method: str, base_dir: Path, args: argparse.Namespace, reward: Po
         "--model.num_inference_steps", str(args.steps), "--train.prompts_per_round", "4", "--train.group_size", str(args.group),
         "--train.updates_per_round", str(args.updates), "--train.batch_size", "8", "--train.lr", str(args.lr),
         "--eval.prompts", "4", "--eval.samples_per_prompt", str(args.eval_samples), "--rewards.names", "[position]",
-        "--anchor.ref_weight", str(args.ref_weight),
     ]  # fmt: skip
+    if args.ref_weight is not None:  # every method's anchor: λ of ‖v_θ − v_base‖², Flow-GRPO's per-step KL weight β
+        overrides += ["--anchor.kl_weight" if method == "flow_grpo" else "--anchor.ref_weight", str(args.ref_weight)]
     cfg = load_video_config(None, overrides)
     gen = VideoGenerator.from_pretrained(base_dir)
     trainer = VideoTrainer(cfg, gen, make_rewards([reward]), [f"a {c} square" for c in COLOURS])
@@ -171,7 +173,8 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=None, help="frames per clip (4k + 1)")
     parser.add_argument("--pretrain-steps", type=int, default=None)
     parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate, the same for every method")
-    parser.add_argument("--ref-weight", type=float, default=0.01, help="reference anchor weight (KL weight for Flow-GRPO)")
+    parser.add_argument("--ref-weight", type=float, default=None,
+                        help="anchor.ref_weight of every method and anchor.kl_weight of Flow-GRPO (default: the config's)")
     parser.add_argument("--target-fraction", type=float, default=0.5,
                         help="target reward = start + this fraction of the gap to the known maximum 0")
     parser.add_argument("--pretrained", default="", help="reuse (or create) the pre-trained toy generator in this folder")
@@ -221,9 +224,12 @@ def main() -> None:
     grpo = results.get("flow_grpo")
     grpo_time = times.get("flow_grpo")
     reached = {m: t for m, t in times.items() if t is not None and m != "flow_grpo"}
-    best = min(reached, key=reached.get) if reached else max(
-        (m for m in results if m != "flow_grpo"), key=lambda m: results[m]["curve"][-1]["reward"], default=None
-    )
+    div_by_method = {m: r["curve"][-1]["diversity"] / max(r["curve"][0]["diversity"], 1e-9) for m, r in results.items()}
+    # Nobody reached the target: the best final reward among the methods that kept diversity_ratio >= MIN_DIVERSITY
+    # (a collapsed method's reward is not a result).
+    kept = [m for m in results if m != "flow_grpo" and div_by_method[m] >= MIN_DIVERSITY]
+    best = min(reached, key=reached.get) if reached else max(kept, key=lambda m: results[m]["curve"][-1]["reward"], default=None)
+    best_rule = "first to reach the target" if reached else f"best final reward with diversity_ratio >= {MIN_DIVERSITY}"
     speedup = None
     if best is not None and grpo is not None and best in reached:
         denominator = max(reached[best], 1e-9)
@@ -250,11 +256,10 @@ def main() -> None:
         "target_fraction_of_gap": args.target_fraction,
         "time_to_target_s": {m: (round(t, 2) if t is not None else None) for m, t in times.items()},
         "final_reward": {m: round(r["curve"][-1]["reward"], 4) for m, r in results.items()},
-        "diversity_ratio_by_method": {
-            m: round(r["curve"][-1]["diversity"] / max(r["curve"][0]["diversity"], 1e-9), 3) for m, r in results.items()
-        },
+        "diversity_ratio_by_method": {m: round(v, 3) for m, v in div_by_method.items()},
         "rounds": {m: r["rounds"] for m, r in results.items()},
         "best_method": best,
+        "best_method_rule": best_rule,
         "flow_grpo_reached_target": grpo_time is not None,
         "speedup_vs_flow_grpo": round(speedup, 2) if speedup is not None else None,
         "speedup_is_lower_bound": speedup is not None and grpo_time is None,

@@ -130,17 +130,22 @@ def bt_discriminator_loss(d_teacher: Tensor, d_student: Tensor) -> Tensor:
     return F.softplus(d_student - d_teacher)
 
 
-def afd_advantages(d_student: Tensor, group_ids: Tensor | None = None) -> Tensor:
-    """AFD's advantage: the discriminator score on student samples minus its batch (or group) mean, detached."""
+def afd_advantages(d_student: Tensor, group_ids: Tensor | None = None, *, whiten: bool = False, eps: float = 1e-6) -> Tensor:
+    """AFD's advantage: the discriminator score on student samples minus its batch (or group) mean, detached.
+
+    whiten: also divide by the batch std of the centred scores, so that the NFT mapping clip(A/A_max) sees unit
+    scale whatever the discriminator's logit scale (which drifts as it trains)."""
     check_shape("d_student", d_student, (None,))
     d = d_student.detach().float()
     if group_ids is None:
-        return d - d.mean()
-    check_shape("group_ids", group_ids, d.shape)
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    cnt = torch.bincount(inv).float()
-    mean = torch.zeros_like(cnt).index_add_(0, inv, d) / cnt
-    return d - mean[inv]
+        adv = d - d.mean()
+    else:
+        check_shape("group_ids", group_ids, d.shape)
+        _, inv = torch.unique(group_ids, return_inverse=True)
+        cnt = torch.bincount(inv).float()
+        mean = torch.zeros_like(cnt).index_add_(0, inv, d) / cnt
+        adv = d - mean[inv]
+    return adv / (adv.std() + eps) if whiten and adv.numel() > 1 else adv
 
 
 def afd_weights(advantages: Tensor, *, adv_clip_max: float = 1.0) -> Tensor:
@@ -159,10 +164,23 @@ def opsd_loss(
     *,
     weights: Tensor | None = None,
     mask: Tensor | None = None,
+    t: Tensor | None = None,
+    space: str = "velocity",
 ) -> Tensor:
     """On-policy self-distillation: regress the student's velocity onto the teacher's at student-visited states.
 
     v_student: (B, ...) at (x_t, t) from the student's own rollout; v_teacher: the teacher's velocity at the
     same (x_t, t) (with its cleaner context), detached here. Returns (B,).
+
+    space: "velocity" (the method's form) or "x0" (our variant: the same regression compared as x̂_0 = x_t − t·v,
+    i.e. weighted by t², which needs `t`; same minimiser, but bounded for models that predict x̂_0 and derive v
+    with a 1/t near t = 0).
     """
+    if space == "x0":
+        if t is None:
+            raise ValueError("opsd_loss(space='x0') needs the flow time t")
+        tt = expand_to(torch.as_tensor(t, dtype=v_student.dtype, device=v_student.device), v_student)
+        return flow_matching_loss(tt * v_student, (tt * v_teacher).detach(), weights=weights, mask=mask)
+    if space != "velocity":
+        raise ValueError(f"space must be 'velocity' or 'x0'; got {space!r}")
     return flow_matching_loss(v_student, v_teacher.detach(), weights=weights, mask=mask)

@@ -276,8 +276,49 @@ def nft_loss(
     else:
         raise ValueError(f"space must be 'x0_adaptive' or 'velocity'; got {space!r}")
     if v_ref is not None and ref_weight > 0:
-        loss = loss + ref_weight * per_sample_mean((v_theta - v_ref.detach()).pow(2), mask)
+        loss = loss + reference_anchor(v_theta, v_ref, weight=ref_weight, mask=mask)
     return loss
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The reference anchor, and FlowAWR's reference schedule
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def reference_anchor(
+    v_theta: Tensor,
+    v_ref: Tensor,
+    *,
+    weight: float,
+    t: Tensor | None = None,
+    space: Literal["velocity", "x0"] = "velocity",
+    mask: Tensor | None = None,
+) -> Tensor:
+    """The anchor to a reference model, per sample (B,): λ·mean(v_θ − v_ref)² (`space="velocity"`, the form of
+    METHODS.md/FlowAWR) or λ·mean(x̂_0,θ − x̂_0,ref)² = λ·mean(t²·(v_θ − v_ref)²) (`space="x0"`, needs t).
+
+    At the same x_t the two differ only by the factor t²: the x̂_0 form keeps a model that predicts x̂_0 and
+    derives v = (x_t − x̂_0)/t from an anchor that grows as 1/t² near t = 0. v_ref is detached.
+    """
+    check_same_shape(v_theta=v_theta, v_ref=v_ref)
+    if weight < 0:
+        raise ValueError(f"weight must be >= 0; got {weight}")
+    diff = v_theta - v_ref.detach()
+    if space == "x0":
+        if t is None:
+            raise ValueError("space='x0' needs the flow time t (x̂_0 − x̂_0,ref = −t·(v_θ − v_ref))")
+        diff = expand_to(torch.as_tensor(t, dtype=diff.dtype, device=diff.device), diff) * diff
+    elif space != "velocity":
+        raise ValueError(f"space must be 'velocity' or 'x0'; got {space!r}")
+    return weight * per_sample_mean(diff.pow(2), mask)
+
+
+def flowawr_ref_decay(step: int, *, start: int = 75, rate: float = 0.0075, max_decay: float = 0.999) -> float:
+    """FlowAWR's EMA-reference decay at update `step`: 0 (the reference is the current policy) until `start`,
+    then min(rate·(step − start), max_decay), so the reference slows down as training settles."""
+    if step < start:
+        return 0.0
+    return min(rate * (step - start), max_decay)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -318,7 +359,7 @@ def awr_loss(
         scale = per_sample_mean((x0_theta.double() - x0.double()).abs(), mask).clamp_min(1e-5).to(x0.dtype)
     loss = per_sample_mean((x0_theta - x0_star.detach()).pow(2), mask) / scale
     if v_base is not None and base_weight > 0:
-        loss = loss + base_weight * per_sample_mean((v_theta - v_base.detach()).pow(2), mask)
+        loss = loss + reference_anchor(v_theta, v_base, weight=base_weight, mask=mask)
     return loss
 
 
@@ -412,7 +453,9 @@ def sde_step_with_logprob(
     )
     scale = std_dev_t * torch.sqrt(-dt)
     if prev_sample is None:
-        z = torch.randn(x32.shape, generator=generator, device=x32.device, dtype=x32.dtype)
+        # Drawn where the generator lives (a CPU generator for a CUDA model is fine), then moved to the state.
+        z = torch.randn(x32.shape, generator=generator, device=generator.device if generator is not None else x32.device,
+                        dtype=x32.dtype).to(x32.device)
         sample = mean + scale * z
     else:
         sample = prev_sample.float()

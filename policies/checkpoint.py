@@ -50,6 +50,35 @@ def atomic_folder(directory: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling path to write one file to; on success, fsync it and rename it over `path`.
+
+    Readers see the old file or the new one, never a torn one; an exception leaves the old file. The temporary
+    name keeps the suffix, so writers that pick a format from it (matplotlib, OpenCV) still work.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.stem}.{uuid.uuid4().hex[:8]}.tmp{target.suffix}"
+    try:
+        yield tmp
+        if not tmp.is_file():
+            raise FileNotFoundError(f"atomic_file({target}): nothing was written to {tmp}")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """`Path.write_text`, atomically (see `atomic_file`)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
 def save_checkpoint(
     directory: str | os.PathLike,
     config: Mapping[str, Any],

@@ -262,3 +262,40 @@ def test_dtypes_are_preserved_and_sde_math_runs_in_float32():
     xb = torch.randn(3, 4).bfloat16()
     step = flow.sde_step_with_logprob(xb, xb, torch.full((3,), 0.5), torch.full((3,), 0.4))
     assert step.sample.dtype == torch.bfloat16 and step.log_prob.dtype == torch.float32
+
+
+def test_reference_anchor_velocity_and_x0_forms_agree_up_to_t_squared():
+    from diffusion_rl.flow import reference_anchor
+
+    g = torch.Generator().manual_seed(0)
+    v, v_ref = torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, 4, generator=g)
+    t = torch.tensor([0.1, 0.5, 1.0])
+    vel = reference_anchor(v, v_ref, weight=0.5)
+    torch.testing.assert_close(vel, 0.5 * (v - v_ref).pow(2).mean((1, 2)))
+    x0 = reference_anchor(v, v_ref, weight=0.5, t=t, space="x0")
+    x_t = torch.randn(3, 2, 4, generator=g)
+    direct = 0.5 * (flow.x0_from_velocity(x_t, v, t) - flow.x0_from_velocity(x_t, v_ref, t)).pow(2).mean((1, 2))
+    torch.testing.assert_close(x0, direct)
+    torch.testing.assert_close(x0, vel * t**2)
+    v.requires_grad_(True)
+    reference_anchor(v, v_ref.requires_grad_(True), weight=1.0).sum().backward()
+    assert v_ref.grad is None and v.grad is not None  # the reference is a constant
+    with pytest.raises(ValueError, match="space='x0' needs the flow time t"):
+        reference_anchor(v, v_ref, weight=1.0, space="x0")
+
+
+def test_flowawr_reference_decay_schedule():
+    from diffusion_rl.flow import flowawr_ref_decay
+
+    assert [flowawr_ref_decay(s) for s in (0, 74, 75)] == [0.0, 0.0, 0.0]
+    assert flowawr_ref_decay(175) == pytest.approx(0.75)
+    assert flowawr_ref_decay(10_000) == 0.999
+
+
+def test_opsd_loss_x0_space_is_the_velocity_loss_weighted_by_t_squared():
+    from diffusion_rl.distill import opsd_loss
+
+    g = torch.Generator().manual_seed(1)
+    v_s, v_t = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+    t = torch.tensor([0.2, 0.4, 0.6, 1.0])
+    torch.testing.assert_close(opsd_loss(v_s, v_t, t=t, space="x0"), opsd_loss(v_s, v_t) * t**2)

@@ -21,6 +21,7 @@ from kinema.video.trainer import BASE, REF, TRAINED, VideoTrainer, base_weights
 from kinema.video.workflow import build_rewards, load_teacher_clips
 from policies.video.generator import VideoGenerator
 from policies.video.rewards import make_rewards
+from policies.video.rewards.base import VideoReward
 
 PROMPTS = ["put the red cube on the blue plate", "open the drawer", "push the green cube to the left"]
 TINY = [
@@ -84,26 +85,30 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in opt.state_dict()["state"].values() for v in state.values() if torch.is_tensor(v)]
 
 
-def test_resume_restores_optimizer_and_ema_exactly(tmp_path: Path):
-    first, gen_a, _ = make_trainer("awr")
+@pytest.mark.parametrize("method", METHODS)
+def test_resume_restores_optimizer_and_ema_exactly(tmp_path: Path, method: str):
+    first, gen_a, _ = make_trainer(method)
     first.train_round()
     first.save(tmp_path / "ckpt")
     saved_opt = [t.clone() for t in _optimizer_tensors(first.optimizer)]
-    saved_ref = gen_a.adapter_state_dict(REF)
+    saved = {name: gen_a.adapter_state_dict(name) for name in gen_a.adapters}
     first.train_round()
     expected = {name: gen_a.adapter_state_dict(name) for name in gen_a.adapters}
+    expected_eval, _ = first.evaluate()  # through the evaluation EMA where the method keeps one (AWR)
 
-    second, gen_b, _ = make_trainer("awr")
+    second, gen_b, _ = make_trainer(method)
     second.load(tmp_path / "ckpt")
     assert second.round == 1 and second.updates == 2
     for a, b in zip(saved_opt, _optimizer_tensors(second.optimizer), strict=True):
         assert torch.equal(a, b)
-    ref = gen_b.adapter_state_dict(REF)
-    assert all(torch.equal(ref[k], saved_ref[k]) for k in ref)
+    for name, state in saved.items():  # the EMA reference and the fake score too
+        got = gen_b.adapter_state_dict(name)
+        assert all(torch.equal(got[k], state[k]) for k in state), f"adapter {name} not restored"
     second.train_round()
     for name, state in expected.items():
         got = gen_b.adapter_state_dict(name)
         assert all(torch.equal(got[k], state[k]) for k in state), f"adapter {name} differs after resume"
+    assert second.evaluate()[0] == expected_eval
 
 
 def test_checkpoint_of_another_method_is_refused(tmp_path: Path):
@@ -207,3 +212,273 @@ def test_video_train_end_to_end_and_resume(tmp_path: Path):
     assert [r["round"] for r in records if r.get("stage") == "after"] == [2, 3]
     again = kinema_video("train", *args)
     assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Teachers, degeneracy, schedules, device plumbing
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class _Spy:
+    """Records the adapter and the embeddings every velocity call of a generator gets."""
+
+    def __init__(self, gen: VideoGenerator) -> None:
+        self.calls: list[tuple[str | None, torch.Tensor]] = []
+        self.embeds: list[torch.Tensor] = []
+        velocity, encode = gen.velocity, gen.encode_prompts
+
+        def spy_velocity(x, t, emb, *, adapter=None, **kw):
+            self.calls.append((adapter, emb))
+            return velocity(x, t, emb, adapter=adapter, **kw)
+
+        def spy_encode(prompts):
+            out = encode(prompts)
+            self.embeds.append(out)
+            return out
+
+        gen.velocity, gen.encode_prompts = spy_velocity, spy_encode
+
+
+def _rows_from(spy: _Spy) -> bool:
+    """Every embedding row a velocity call got is a row the spied generator's own text encoder produced."""
+    pool = torch.cat([e.flatten(1) for e in spy.embeds])
+    return all(bool((emb.flatten(1)[:, None] == pool[None]).all(-1).any(1).all()) for _, emb in spy.calls)
+
+
+def _teacher(preset: str, **shape: int) -> VideoGenerator:
+    """A teacher saved with a LoRA adapter that changes its output (it must run *with* it)."""
+    teacher = VideoGenerator.from_preset(preset, seed=1, **shape)
+    teacher.add_adapter("default", rank=4, alpha=8)
+    with torch.no_grad():
+        for p in teacher.lora_parameters("default").values():
+            p.normal_(0, 0.05)
+    return teacher
+
+
+def test_afd_teacher_model_uses_its_own_encoder_latents_and_adapters():
+    # A tiny student (pixel space, 5 x 16 x 16) and a tiny-vae teacher (VAE latents, 5 x 32 x 32).
+    teacher = _teacher("tiny-vae", num_frames=5, height=32, width=32)
+    spy = _Spy(teacher)
+    cfg = load_video_config(None, [*TINY, "--train.method", "afd"])
+    gen = VideoGenerator.from_preset("tiny", seed=0, num_frames=5, height=16, width=16)
+    trainer = VideoTrainer(cfg, gen, make_rewards(["exposure", "sharpness"]), PROMPTS, teacher=teacher)
+    ro = trainer.collect()
+    videos = trainer.teacher_videos(ro)
+    assert videos.shape == ro.videos.shape == (4, 5, 3, 16, 16)  # resized to the student's clips
+    assert spy.calls and all(adapter is None for adapter, _ in spy.calls)  # as saved: its LoRA on
+    assert _rows_from(spy)  # its own text encoder's embeddings
+    # Group members share their prompt's teacher video.
+    assert torch.equal(videos[0], videos[1]) and not torch.equal(videos[0], videos[2])
+    record = trainer.train_round()
+    assert np.isfinite(record["train/loss"]) and 0.0 <= record["afd/disc_accuracy"] <= 1.0
+
+
+def test_opsd_teacher_model_must_share_the_latent_shape():
+    opsd = ["--train.method", "opsd", "--train.options.opsd_teacher", "model", "--train.options.teacher_path", "x"]
+    cfg = load_video_config(None, [*TINY, *opsd])
+    gen = VideoGenerator.from_preset("tiny", seed=0, num_frames=5, height=16, width=16)
+    other = _teacher("tiny-vae", num_frames=5, height=32, width=32)
+    with pytest.raises(ValueError, match="latents must match: teacher latents .* student"):
+        VideoTrainer(cfg, gen, make_rewards(["exposure"]), PROMPTS, teacher=other)
+    same = _teacher("tiny", num_frames=5, height=16, width=16)
+    spy = _Spy(same)
+    trainer = VideoTrainer(cfg, VideoGenerator.from_preset("tiny", seed=0, num_frames=5, height=16, width=16),
+                           make_rewards(["exposure"]), PROMPTS, teacher=same)  # fmt: skip
+    record = trainer.train_round()
+    assert np.isfinite(record["train/loss"])
+    assert spy.calls and all(adapter is None for adapter, _ in spy.calls)
+    assert _rows_from(spy)
+    # ... which differ from the student's (another text encoder): reading the student's would fail the line above.
+    assert not torch.equal(trainer.model.embed(PROMPTS[:1]), same.encode_prompts(PROMPTS[:1]))
+
+
+class _Constant(VideoReward):
+    names = ("constant",)
+
+    def score(self, videos, prompts):
+        return {"constant": torch.zeros(videos.shape[0])}
+
+
+@pytest.mark.parametrize("method", ["afd", "awr"])
+def test_reward_degenerate_groups_gate_reward_methods_but_not_afd(method: str):
+    clips = {p: torch.full((1, 5, 3, 16, 16), 0.9) for p in PROMPTS}
+    trainer, gen, _ = make_trainer(method, teacher_clips=clips)
+    trainer.rewards = make_rewards([_Constant()])
+    before = gen.adapter_state_dict(TRAINED)
+    record = trainer.train_round()
+    assert record["adv/degenerate_group_fraction"] == 1.0
+    after = gen.adapter_state_dict(TRAINED)
+    moved = any(not torch.equal(before[k], after[k]) for k in before)
+    # AFD's weight comes from its discriminator; AWR has nothing to learn from a constant reward.
+    assert moved == (method == "afd")
+    assert record["adv/weight_mean"] == (1.0 if method == "afd" else 0.0)
+
+
+def test_afd_moves_the_student_toward_the_teacher_videos():
+    """Same student, same noise: AFD against bright teacher clips ends brighter than against dark ones."""
+
+    def brightness_after(level: float) -> tuple[float, float]:
+        torch.manual_seed(0)  # peft draws the LoRA A matrices from the global generator
+        clips = {p: torch.full((1, 5, 3, 16, 16), level) for p in PROMPTS[:2]}
+        trainer, _, _ = make_trainer("afd", "--train.lr", "3e-3", "--train.options.disc_lr", "1e-3", teacher_clips=clips)
+        trainer.prompts = PROMPTS[:2]
+        before = float(trainer.sample(PROMPTS[:2] * 2, seed=3).mean())
+        for _ in range(8):
+            record = trainer.train_round()
+        assert record["afd/disc_accuracy"] == 1.0  # the judge tells the teacher from the student
+        return before, float(trainer.sample(PROMPTS[:2] * 2, seed=3).mean())
+
+    before, bright = brightness_after(0.9)
+    _, dark = brightness_after(0.1)
+    # Seeds 0-3 all ordered so (bright - dark 1e-3 to 4e-3 on this untrained model); seed 0 also has both moving.
+    assert bright > before > dark, (before, bright, dark)
+
+
+def test_awr_reference_schedule_and_shifted_timesteps():
+    trainer, gen, _ = make_trainer("awr", "--anchor.ref_schedule", "flowawr")
+    decays = []
+    for step in (0, 74, 76, 175, 10_000):
+        trainer.updates = step
+        decays.append(trainer.method.ref_decay())
+    assert decays == [0.0, 0.0, pytest.approx(0.0075), pytest.approx(0.75), 0.999]
+    const, _, _ = make_trainer("awr", "--anchor.ref_warmup_updates", "3")
+    const.updates = 2
+    assert const.method.ref_decay() == 0.0
+    const.updates = 3
+    assert const.method.ref_decay() == 0.9
+    # The AWR timesteps come from the model's own (shifted) schedule.
+    gen.scheduler.register_to_config(shift=3.0)
+    sched = trainer.model.schedule(20)
+    ro = trainer.collect()
+    trainer.method.prepare(ro)
+    seen = []
+    orig = trainer.model.velocity
+    trainer.model.velocity = lambda x, t, *a, **k: (seen.append(t), orig(x, t, *a, **k))[1]
+    trainer.method.loss(ro, torch.arange(4), 0)
+    allowed = sched[sched >= 0.5]
+    assert all(any(torch.isclose(v, allowed).any() for v in t) for t in seen)
+    assert not torch.isclose(allowed, torch.tensor(0.55)).any()  # 0.55 is on the unshifted grid, not the shifted one
+
+
+def test_awr_evaluates_a_separate_ema_of_the_trained_adapter():
+    trainer, gen, cfg = make_trainer("awr", "--train.lr", "3e-3")
+    assert trainer.eval_ema is not None and trainer.eval_ema.decay == 0.9
+    trainer.train_round()
+    prompts, _ = trainer.eval_prompts()
+    raw = trainer.sample(prompts, seed=cfg.eval.seed)
+    with trainer.eval_ema.swap_in():
+        ema = trainer.sample(prompts, seed=cfg.eval.seed)
+    _, videos = trainer.evaluate()
+    assert torch.equal(videos, ema) and (raw - ema).abs().max() > 0
+    assert torch.equal(trainer.sample(prompts, seed=cfg.eval.seed), raw)  # the trained weights are back
+    off, _, _ = make_trainer("awr", "--train.options.awr_eval_ema", "0")
+    assert off.eval_ema is None
+
+
+def test_round_metrics_hold_per_reward_stats_and_tensors_live_on_the_model_device():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    trainer, gen, cfg = make_trainer("nft")
+    devices = set()
+
+    class Devices(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor):
+                    devices.add(o.device)
+            return out
+
+    with Devices():
+        record = trainer.train_round()
+    assert devices == {gen.device} and str(gen.device) == cfg.model.device
+    for name in ("exposure", "sharpness"):
+        for stat in ("mean", "std", "min", "max", "group_std"):
+            assert np.isfinite(record[f"reward/{name}/{stat}"])
+        assert record[f"reward/{name}/min"] <= record[f"reward/{name}/mean"] <= record[f"reward/{name}/max"]
+    assert {"adv/mean", "adv/std", "adv/abs_max", "adv/degenerate_group_fraction"} <= set(record)
+
+
+def test_model_path_takes_the_run_video_shape(tmp_path: Path):
+    from kinema.video.workflow import load_generator
+
+    VideoGenerator.from_preset("tiny", seed=0).save_pretrained(tmp_path / "gen")  # 9 x 32 x 32
+    cfg = load_video_config(None, ["--data.frames", "5", "--data.size", "16"])
+    gen = load_generator(tmp_path / "gen", cfg)
+    assert (gen.config.num_frames, gen.config.height, gen.config.width) == (5, 16, 16)
+    assert gen.initial_noise(1).shape == gen.latent_shape(1) and gen.device == torch.device("cpu")
+    with pytest.raises(ValueError, match="model.dtype 'fp8' is not known"):
+        load_video_config(None, ["--model.dtype", "fp8"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Resume: no duplicate records after a kill, Ctrl-C saves only between rounds
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_run_resume_drops_records_the_checkpoint_does_not_cover(tmp_path: Path):
+    from kinema.train.workflow import Run
+
+    run = Run(tmp_path, console=None)
+    run.log({"kind": "pretrain"})
+    for r in (1, 2):
+        run.log({"kind": "round", "round": r})
+    run.save_state({"round": 2, "latest_checkpoint": "checkpoints/round-002"})
+    run.log({"kind": "round", "round": 3})  # after the checkpoint, then a kill (mid-write: a torn line)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "rou')
+    state = Run(tmp_path, console=None).resume()
+    assert state["round"] == 2 and state["metrics_records"] == 3
+    assert [r.get("round") for r in run.records()] == [None, 1, 2]
+    assert (tmp_path / "metrics.jsonl").read_text().endswith("}\n")
+    assert not list(tmp_path.glob(".*tmp*"))  # the rewrite left no temporary file
+
+
+def _workflow_cfg(run: Path, *extra: str) -> VideoTrainConfig:
+    return load_video_config(None, [
+        "--out", str(run), "--data.episodes", "4", "--data.frames", "5", "--data.size", "16", "--pretrain.steps", "2",
+        "--train.rounds", "5", "--train.updates_per_round", "1", "--train.prompts_per_round", "2", "--train.group_size", "2",
+        "--train.batch_size", "4", "--model.num_inference_steps", "2", "--eval.interval", "2", "--eval.prompts", "2",
+        "--eval.samples_per_prompt", "2", "--rewards.names", "[exposure, sharpness]", *extra,
+    ])  # fmt: skip
+
+
+def test_workflow_resume_after_a_kill_and_ctrl_c_between_rounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import os
+    import signal
+
+    from kinema.video.workflow import train_video
+
+    run = tmp_path / "run"
+    real_round = VideoTrainer.train_round
+
+    def killed_in_round_4(self, on_update=None):
+        if self.round == 3:  # rounds 1-3 done, checkpoint after round 2: round 3's record is past it
+            raise SystemExit("killed")
+        return real_round(self, on_update)
+
+    monkeypatch.setattr(VideoTrainer, "train_round", killed_in_round_4)
+    with pytest.raises(SystemExit):
+        train_video(_workflow_cfg(run))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records if r["kind"] == "round"] == [1, 2, 3]
+
+    def ctrl_c_in_round_4(self, on_update=None):
+        if self.round == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # mid-round: the round still finishes, then it is saved
+        return real_round(self, on_update)
+
+    monkeypatch.setattr(VideoTrainer, "train_round", ctrl_c_in_round_4)
+    with pytest.raises(KeyboardInterrupt):
+        train_video(_workflow_cfg(run), resume=True)
+    state = json.loads((run / "state.json").read_text())
+    assert state["round"] == 4 and state["latest_checkpoint"] == "checkpoints/interrupted"
+    assert torch.load(run / "checkpoints/interrupted/trainer.pt", weights_only=False)["round"] == 4
+
+    monkeypatch.setattr(VideoTrainer, "train_round", real_round)
+    train_video(_workflow_cfg(run), resume=True)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records if r["kind"] == "round"] == [1, 2, 3, 4, 5]
+    assert [(r["stage"], r["round"]) for r in records if r["kind"] == "eval"] == [
+        ("before", 0), ("round", 2), ("round", 4), ("round", 5), ("after", 5)]  # fmt: skip
+    assert [r["train/updates"] for r in records if r["kind"] == "round"] == [1, 2, 3, 4, 5]

@@ -14,6 +14,7 @@ import numpy as np
 from diffusion_rl.data import ExecutedBy
 from kinema.media import write_mp4
 from kinema.train.evaluate import EVAL_SEED_OFFSET, ChunkPolicy
+from policies.checkpoint import atomic_file, write_text_atomic
 from sim.env import CONTROL_HZ
 from sim.monitor import MonitorConfig, SimulatedHuman
 from sim.tasks import make
@@ -83,10 +84,11 @@ def write_curves(records: list[dict[str, Any]], path: Path) -> Path:
     ax.set_title("training rollouts")
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -131,6 +133,4 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
         "Metrics: `metrics.jsonl` (one JSON object per line); checkpoints in `checkpoints/` "
         "(`VLAPolicy.from_pretrained`); rollouts of every round in `rollouts/` (LeRobotDataset v3).",
     ]
-    path = root / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_text_atomic(root / "report.md", "\n".join(lines) + "\n")

@@ -18,7 +18,6 @@ import contextlib
 import copy
 import io
 import json
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from kinema.train.credit import CriticState, awr_step_weights, habc_step_weights
 from kinema.train.evaluate import ChunkPolicy, EvalResult, evaluate, summarize
 from kinema.train.ppo import flow_grpo_updates
 from kinema.train.report import record_videos, write_curves, write_report
+from policies.checkpoint import atomic_file, write_text_atomic
 from policies.vla import VLAConfig, VLAPolicy
 from sim.experts import ExpertConfig
 from sim.monitor import MonitorConfig
@@ -48,7 +48,15 @@ ROLLOUT_SEED_OFFSET = 100_000  # rollout seeds: disjoint from demo seeds (0..) a
 
 
 class Run:
-    """The run folder: metrics log, checkpoints, the resumable state."""
+    """The run folder: metrics log, checkpoints, the resumable state.
+
+    The state (state.json) is saved together with each checkpoint and records how many metrics records existed
+    then (`metrics_records`). Records logged after it describe work the checkpoint does not hold (rounds after
+    the last checkpoint, a final evaluation cut short): `resume()` drops them, because the resumed run redoes
+    that work and logs it again.
+    """
+
+    METRICS = "metrics.jsonl"
 
     def __init__(self, root: Path, console: Console) -> None:
         self.root = root
@@ -58,21 +66,46 @@ class Run:
 
     def log(self, record: dict[str, Any]) -> None:
         record = {"time": round(time.time(), 1), **record}
-        with open(self.root / "metrics.jsonl", "a") as f:
+        with open(self.root / self.METRICS, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def _lines(self) -> list[str]:
+        path = self.root / self.METRICS
+        if not path.exists():
+            return []
+        text = path.read_text()
+        # A kill mid-write can leave a torn last line (no newline): it is not a record.
+        return text.split("\n")[:-1]
+
     def records(self) -> list[dict[str, Any]]:
-        path = self.root / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return [json.loads(line) for line in self._lines()]
 
     def state(self) -> dict[str, Any]:
         path = self.root / STATE_FILE
         return json.loads(path.read_text()) if path.exists() else {}
 
     def save_state(self, state: dict[str, Any]) -> None:
-        tmp = self.root / f".{STATE_FILE}.tmp"
-        tmp.write_text(json.dumps(state, indent=2))
-        os.replace(tmp, self.root / STATE_FILE)
+        state = {**state, "metrics_records": len(self._lines())}
+        with atomic_file(self.root / STATE_FILE) as tmp:
+            tmp.write_text(json.dumps(state, indent=2))
+
+    def resume(self) -> dict[str, Any]:
+        """The saved state, with metrics.jsonl rewritten (atomically) to the records it had when that state was
+        saved: nothing past the checkpoint is kept, so the resumed run's records are not duplicates.
+        State files without `metrics_records` (older runs) keep the records up to the checkpointed round."""
+        state = self.state()
+        if not state:
+            return state
+        lines = self._lines()
+        keep = state.get("metrics_records")
+        if keep is None:
+            last = state.get("round", 0)
+            kept = [line for line in lines if json.loads(line).get("round", 0) <= last]
+        else:
+            kept = lines[:keep]
+        if (self.root / self.METRICS).exists():
+            write_text_atomic(self.root / self.METRICS, "".join(line + "\n" for line in kept))
+        return state
 
 
 def save_checkpoint(
@@ -222,12 +255,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
 
     # 1. Run folder ------------------------------------------------------------------------------------------------
     run = Run(cfg.run_dir(), console)
-    state = run.state() if resume else {}
+    state = run.resume() if resume else {}  # drops metrics records the last checkpoint does not cover
     if resume and not state:
         raise FileNotFoundError(f"nothing to resume in {run.root}: no {STATE_FILE} (start it without --resume)")
     if not resume and run.state():
         raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
-    (run.root / "config.yaml").write_text(dump_config(cfg))
+    write_text_atomic(run.root / "config.yaml", dump_config(cfg))
     cameras = ("agentview", "wrist")
 
     # 2. Demonstrations ------------------------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ from kinema.train.config import load_config
 METHODS = ("awr", "nft", "distill", "afd", "opsd", "flow_grpo")
 BALANCING = ("gdpo", "weighted_sum")
 OPSD_TEACHERS = ("cfg", "privileged_prompt", "model")
+REF_SCHEDULES = ("constant", "flowawr")
+TILT_REWARDS = ("advantage", "balanced")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -28,6 +31,8 @@ class ModelConfig:
     lora_alpha: int = 16
     num_inference_steps: int = 8  # sampling steps of rollouts and evaluation samples
     guidance_scale: float = 1.0  # CFG scale of evaluation samples (1 = CFG-free, what VideoAWR keeps working)
+    device: str = "cpu"  # where the generator, the rollouts and every training tensor live (e.g. cuda, cuda:1)
+    dtype: str = "float32"  # weights of the transformer, VAE and text encoder (bfloat16 on a GPU); the RL math is float32
 
 
 @dataclass
@@ -62,10 +67,17 @@ class AnchorConfig:
     """Every method keeps an anchor to the reference (the pre-trained model with its adapters off): without one,
     short runs hacked threshold rewards or collapsed to identical samples (DESIGN.md, measured)."""
 
-    ref_weight: float = 0.01  # λ·‖v_θ − v_ref‖² on the trained samples (AWR, NFT, distill, AFD, OPSD)
+    # λ·‖v_θ − v_base‖² on the trained samples (AWR, NFT, distill, AFD, OPSD). METHODS.md's (FlowAWR's) faithful λ
+    # is 1e-4; 0.01 is our variant, the value the tiny-model runs of benchmarks/video_rl.py were tuned with
+    # (DESIGN.md: short runs without an anchor hacked the rewards or collapsed).
+    ref_weight: float = 0.01
     kl_weight: float = 0.04  # Flow-GRPO: β of the per-step KL to the reference's SDE step
-    ref_decay: float = 0.9  # the old/EMA reference adapter follows the trained one: θ_old ← d·θ_old + (1 − d)·θ
-    ref_warmup_updates: int = 0  # updates with d = 0 (the old policy *is* the current one: on-policy start)
+    # How the old/EMA reference adapter follows the trained one, θ_old ← d·θ_old + (1 − d)·θ:
+    #   constant (our variant, measured on the tiny model): d = ref_decay after ref_warmup_updates (d = 0 before);
+    #   flowawr (FlowAWR, faithful): d = 0 until update 75, then min(0.0075·(update − 75), 0.999).
+    ref_schedule: str = "constant"
+    ref_decay: float = 0.9
+    ref_warmup_updates: int = 0  # constant schedule: updates with d = 0 (the old policy *is* the current one)
 
 
 @dataclass
@@ -73,10 +85,14 @@ class MethodOptions:
     awr_temperature: float = 1.0  # τ of the VideoAWR energies softmax(A/τ)
     awr_rollout_guidance: float = 1.5  # CFG scale of the reference's rollouts (the anchor stays unguided); 3.0 stalled
     # the tiny model (its unconditional branch is weak), 1.0-1.5 learnt (benchmarks/video_rl.py toy)
-    awr_t_low: float = 0.5  # decoupled per-sample timesteps from [t_low, 1] of a 20-step schedule (high noise)
+    awr_t_low: float = 0.5  # decoupled per-sample timesteps from [t_low, 1] of the model's 20-step schedule (high noise)
+    awr_eval_ema: float = 0.9  # FlowAWR evaluates a separate EMA of the trained weights with this decay (0: the raw adapter)
     nft_beta: float = 1.0  # DiffusionNFT's β
     adv_clip_max: float = 5.0
-    tilt_beta: float = 1.0  # Stream-R1's exp(β·r) rollout weights (r = the balanced reward advantage)
+    tilt_beta: float = 1.0  # Stream-R1's exp(β·r) rollout weights (distill, OPSD)
+    # r of the tilt: balanced (Stream-R1: mean − ½·std of the rewards z-scored over the round) | advantage (our
+    # variant, measured default: the balanced GDPO advantage of the run's rewards)
+    tilt_reward: str = "advantage"
     saliency: bool = True  # Stream-R1's reward-gradient saliency weights (needs differentiable rewards)
     teacher_guidance: float = 1.5  # CFG scale of the teacher (distill's real score, AFD's teacher, OPSD's cfg teacher)
     teacher_path: str = ""  # another model as teacher (AFD, OPSD teacher=model); "" = the reference itself
@@ -142,6 +158,15 @@ class VideoTrainConfig:
             )
         if self.train.options.opsd_teacher == "model" and self.train.method == "opsd" and not self.train.options.teacher_path:
             raise ValueError("train.options.opsd_teacher is 'model' but train.options.teacher_path is empty")
+        for name, value, valid in (
+            ("anchor.ref_schedule", self.anchor.ref_schedule, REF_SCHEDULES),
+            ("train.options.tilt_reward", self.train.options.tilt_reward, TILT_REWARDS),
+            ("model.dtype", self.model.dtype, DTYPES),
+        ):
+            if value not in valid:
+                raise ValueError(f"{name} {value!r} is not known; valid: {', '.join(valid)}")
+        if not 0.0 <= self.train.options.awr_eval_ema < 1.0:
+            raise ValueError(f"train.options.awr_eval_ema must be in [0, 1); got {self.train.options.awr_eval_ema}")
         if self.train.group_size < 2:
             raise ValueError(f"train.group_size must be >= 2 (group-relative advantages); got {self.train.group_size}")
         if (self.data.frames - 1) % 4:

@@ -5,7 +5,6 @@ Every file is written to a temporary name and renamed, so an interrupted run nev
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +17,15 @@ import torch
 from torch import Tensor
 
 from kinema.media import write_mp4
+from policies.checkpoint import atomic_file, write_text_atomic
 
 
 def _save(fig: Any, path: Path, dpi: int = 110) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
     try:
-        fig.savefig(tmp, dpi=dpi)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=dpi)
     finally:
         plt.close(fig)
-        if tmp.exists():
-            tmp.unlink()
     return path
 
 
@@ -158,8 +154,4 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
         "Metrics: `metrics.jsonl` (one JSON object per line). Checkpoints in `checkpoints/` (LoRA adapters, optimiser, "
         "EMA reference, RNG states); the pre-trained generator in `pretrained/` (`VideoGenerator.from_pretrained`).",
     ]
-    path = root / "report.md"
-    tmp = path.with_name(".report.md.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(root / "report.md", "\n".join(lines) + "\n")

@@ -4,9 +4,20 @@ Every round reads the same way, whatever the method:
     1. draw prompts, `group_size` samples each (a group = one prompt);
     2. roll out (the method says with which adapter, with or without CFG, ODE or SDE);
     3. decode, score every reward, balance them into one advantage per sample (GDPO or a weighted sum);
+       samples of reward-degenerate groups get weight 0 in the methods the reward drives (AWR, NFT, Flow-GRPO),
+       not in those a teacher or a discriminator drives (distill, AFD, OPSD: `Method.reward_gated`);
     4. `updates_per_round` gradient steps of the method's per-sample loss on that round's samples;
        only the LoRA adapter `default` trains, the base weights never change;
-    5. the reference adapter follows the trained one as an EMA (where the method keeps one).
+    5. the reference adapter follows the trained one as an EMA (`anchor.ref_schedule`, where the method keeps
+       one); VideoAWR also keeps a separate EMA of `default` (decay 0.9, FlowAWR) that evaluation samples from.
+    `round` counts finished rounds only.
+
+Teachers (AFD, OPSD `opsd_teacher=model`) are other generators: they read prompts with their own text encoder,
+start from noise in their own latent shape and run as saved (their own LoRA adapters on). AFD resizes their
+videos to the student's frames and size; OPSD needs matching latents (checked at construction).
+
+Every tensor of a round lives on the generator's device; random draws come from the trainer's CPU generator
+(checkpointed) and are moved there, so a run resumes identically and draws the same on any device.
 
 Adapters (peft, named, on one transformer: no model copies):
     default  the trained student; evaluated CFG-free
@@ -24,9 +35,7 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import random
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,22 +57,25 @@ from diffusion_rl.distill import (
     opsd_loss,
     reward_tilt_weights,
     saliency_weights,
+    stream_r1_reward,
 )
 from diffusion_rl.flow import (
     awr_loss,
     awr_target,
     euler_sample,
+    flowawr_ref_decay,
     interpolate,
     nft_loss,
     ppo_clip_loss,
+    reference_anchor,
     sample_time,
     sde_kl_loss,
     sde_sample,
     sde_step_with_logprob,
-    time_schedule,
     x0_from_velocity,
 )
 from kinema.video.config import VideoTrainConfig
+from policies.checkpoint import atomic_folder
 from policies.video.generator import BASE  # the pre-trained model with every adapter disabled
 from policies.video.rewards import RewardSet
 
@@ -89,13 +101,24 @@ class Model:
     def __init__(self, generator: Any) -> None:
         self.gen = generator
 
+    @property
+    def device(self) -> torch.device:
+        return self.gen.device
+
+    def latent_shape(self) -> tuple[int, ...]:
+        return tuple(self.gen.latent_shape(1))[1:]
+
+    def video_shape(self) -> tuple[int, int, int]:
+        c = self.gen.config
+        return c.num_frames, c.height, c.width
+
     def embed(self, prompts: Sequence[str]) -> Tensor:
         return self.gen.encode_prompts(list(prompts))
 
-    def velocity(self, x: Tensor, t: Tensor, emb: Tensor, adapter: str, *, guidance: float = 1.0) -> Tensor:
+    def velocity(self, x: Tensor, t: Tensor, emb: Tensor, adapter: str | None, *, guidance: float = 1.0) -> Tensor:
         return self.gen.velocity(x, t, emb, adapter=adapter, guidance_scale=guidance)
 
-    def velocity_fn(self, emb: Tensor, adapter: str, *, guidance: float = 1.0) -> Callable[[Tensor, Tensor], Tensor]:
+    def velocity_fn(self, emb: Tensor, adapter: str | None, *, guidance: float = 1.0) -> Callable[[Tensor, Tensor], Tensor]:
         return lambda x, t: self.velocity(x, t, emb, adapter, guidance=guidance)
 
     def schedule(self, num_steps: int) -> Tensor:
@@ -109,13 +132,6 @@ class Model:
 
     def lora_parameters(self, adapter: str) -> dict[str, nn.Parameter]:
         return self.gen.lora_parameters(adapter)
-
-    @torch.no_grad()
-    def lerp_adapter(self, dst: str, src: str, decay: float) -> None:
-        """θ_dst ← decay·θ_dst + (1 − decay)·θ_src (decay 0 copies): the EMA reference as a named adapter."""
-        d, s = self.lora_parameters(dst), self.lora_parameters(src)
-        for key, p in d.items():
-            p.lerp_(s[key], 1.0 - decay)
 
     def all_adapter_state(self) -> dict[str, Tensor]:
         return {f"{name}/{k}": v for name in self.gen.adapters for k, v in self.gen.adapter_state_dict(name).items()}
@@ -172,6 +188,11 @@ class Method:
 
     name = ""
     adapters: tuple[str, ...] = ()  # besides `default`
+    # Whether samples of reward-degenerate groups (every sample scored the same) are dropped. True where the
+    # reward *is* the learning signal; the distillation methods learn from a teacher/discriminator, which a
+    # constant reward does not make uninformative.
+    reward_gated = True
+    anchor_space = "x0"  # see `anchor`
 
     def __init__(self, trainer: VideoTrainer) -> None:
         self.tr = trainer
@@ -190,11 +211,20 @@ class Method:
     def loss(self, ro: Rollout, idx: Tensor, update: int) -> tuple[Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    def eval_ema_decay(self) -> float:
+        """Decay of a separate EMA of the trained adapter that evaluation samples from; 0 = the raw adapter."""
+        return 0.0
+
+    def ref_decay(self) -> float:
+        """The EMA reference's decay at the current update (`anchor.ref_schedule`)."""
+        a, step = self.cfg.anchor, self.tr.updates
+        if a.ref_schedule == "flowawr":
+            return flowawr_ref_decay(step)
+        return 0.0 if step < a.ref_warmup_updates else a.ref_decay
+
     def after_update(self) -> None:
         if REF in self.adapters:
-            t = self.tr
-            decay = 0.0 if t.updates < self.cfg.anchor.ref_warmup_updates else self.cfg.anchor.ref_decay
-            t.model.lerp_adapter(REF, TRAINED, decay)
+            self.tr.model.gen.lerp_adapter(REF, TRAINED, decay=self.ref_decay())
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -204,8 +234,11 @@ class Method:
 
     # Shared pieces --------------------------------------------------------------------------------------------------
     def noised(self, x0: Tensor, *, low: float = 0.0, high: float = 1.0, schedule: Tensor | None = None):
-        t = sample_time(x0.shape[0], low=low, high=high, schedule=schedule, generator=self.tr.rng)
-        noise = torch.randn(x0.shape, generator=self.tr.rng)
+        # Drawn by the trainer's CPU generator, then moved to the latents' device: the draws (and so a resumed
+        # run) are the same on every device, and the generator's state is what the checkpoint stores.
+        sched = None if schedule is None else schedule.cpu()
+        t = sample_time(x0.shape[0], low=low, high=high, schedule=sched, generator=self.tr.rng).to(x0.device)
+        noise = torch.randn(x0.shape, generator=self.tr.rng).to(x0.device, x0.dtype)
         return interpolate(x0, noise, t), t, noise
 
     def student_trajectory(self, embeds: Tensor) -> tuple[Tensor, dict[str, Any]]:
@@ -213,12 +246,13 @@ class Method:
         x0, traj = self.tr.ode(embeds, TRAINED, trajectory=True)
         return x0, {"states": torch.stack([s for s, _ in traj]), "times": torch.stack([t[0] for _, t in traj])}
 
-    def anchor(self, x0_theta: Tensor, x0_base: Tensor) -> Tensor:
-        """λ·mean(x̂_0,θ − x̂_0,base)² per sample: the reference anchor, in x̂_0 space (= t²·‖v_θ − v_base‖²).
+    def anchor(self, v_theta: Tensor, v_base: Tensor, t: Tensor) -> Tensor:
+        """λ·‖v_θ − v_base‖² per sample (`diffusion_rl.flow.reference_anchor`), λ = anchor.ref_weight.
 
-        x̂_0 space rather than velocity space because the tiny default predicts x̂_0 and derives v = (x_t − x̂_0)/t:
-        near t = 0 a velocity-space penalty grows as 1/t² and would swamp every other term."""
-        return self.cfg.anchor.ref_weight * (x0_theta - x0_base.detach()).pow(2).flatten(1).mean(1)
+        Our variant for NFT, distill, AFD and OPSD: x̂_0 space (= t²·‖v_θ − v_base‖²), because the tiny default
+        predicts x̂_0 and derives v = (x_t − x̂_0)/t, so near t = 0 a velocity-space penalty grows as 1/t² and
+        swamps every other term. VideoAWR keeps FlowAWR's velocity form (`anchor_space`)."""
+        return reference_anchor(v_theta, v_base, weight=self.cfg.anchor.ref_weight, t=t, space=self.anchor_space)
 
 
 class VideoAWR(Method):
@@ -228,9 +262,13 @@ class VideoAWR(Method):
 
     name = "awr"
     adapters = (REF,)
+    anchor_space = "velocity"  # FlowAWR's form
 
     def rollout(self, prompts, embeds):
         return self.tr.ode(embeds, REF, guidance=self.opt.awr_rollout_guidance), {}
+
+    def eval_ema_decay(self):
+        return self.opt.awr_eval_ema
 
     def prepare(self, ro):
         base = ro.advantages  # the balanced advantage; the energies re-normalise it per group
@@ -241,15 +279,16 @@ class VideoAWR(Method):
 
     def loss(self, ro, idx, update):
         x0, emb = ro.latents[idx], ro.embeds[idx]
-        x_t, t, _ = self.noised(x0, low=self.opt.awr_t_low, schedule=time_schedule(20))
+        # The model's own (shifted) 20-step schedule: Wan's shift 3-5 puts these steps at other noise levels.
+        x_t, t, _ = self.noised(x0, low=self.opt.awr_t_low, schedule=self.tr.model.schedule(20))
         m = self.tr.model
         with torch.no_grad():
             v_old = m.velocity(x_t, t, emb, REF)  # unguided: the anchor may not use CFG
             v_base = m.velocity(x_t, t, emb, BASE)
         v_theta = m.velocity(x_t, t, emb, TRAINED)
         x0_star = awr_target(x_t=x_t, t=t, v_old=v_old, x0=x0, energies=ro.extra["energies"][idx])
-        per = awr_loss(v_theta, x_t=x_t, t=t, x0=x0, x0_star=x0_star, v_base=v_base, base_weight=self.cfg.anchor.ref_weight)
-        return (per * ro.weights[idx]).mean(), {}
+        per = awr_loss(v_theta, x_t=x_t, t=t, x0=x0, x0_star=x0_star)
+        return (per * ro.weights[idx]).mean() + self.anchor(v_theta, v_base, t).mean(), {}
 
 
 class DiffusionNFT(Method):
@@ -263,6 +302,7 @@ class DiffusionNFT(Method):
         return self.tr.ode(embeds, REF), {}
 
     def nft(self, ro: Rollout, idx: Tensor, *, advantages: Tensor | None = None, r: Tensor | None = None) -> Tensor:
+        """NFT's loss on the minibatch `idx`, weighted by `ro.weights` (all 1 for AFD: see `reward_gated`)."""
         x0, emb = ro.latents[idx], ro.embeds[idx]
         x_t, t, _ = self.noised(x0, low=0.02)
         m = self.tr.model
@@ -274,8 +314,7 @@ class DiffusionNFT(Method):
             v_theta, v_old, x_t=x_t, x0=x0, t=t, advantages=advantages, r=r, beta=self.opt.nft_beta,
             adv_clip_max=self.opt.adv_clip_max,
         )  # fmt: skip
-        anchor = self.anchor(x0_from_velocity(x_t, v_theta, t), x0_from_velocity(x_t, v_base, t))
-        return (per * ro.weights[idx]).mean() + anchor.mean()
+        return (per * ro.weights[idx]).mean() + self.anchor(v_theta, v_base, t).mean()
 
     def loss(self, ro, idx, update):
         return self.nft(ro, idx, advantages=ro.advantages[idx]), {}
@@ -288,6 +327,7 @@ class RewardDistill(Method):
 
     name = "distill"
     adapters = (FAKE,)
+    reward_gated = False  # the DMD signal needs no reward spread; the tilt is where the reward enters
 
     def __init__(self, trainer):
         super().__init__(trainer)
@@ -300,7 +340,7 @@ class RewardDistill(Method):
         return self.student_trajectory(embeds)
 
     def prepare(self, ro):
-        ro.extra["tilt"] = reward_tilt_weights(ro.advantages, beta=self.opt.tilt_beta)
+        ro.extra["tilt"] = reward_tilt_weights(self.tr.tilt_reward(ro), beta=self.opt.tilt_beta)
         stats = {"distill/tilt_max": float(ro.extra["tilt"].max())}
         sal = self.tr.reward_saliency(ro) if self.opt.saliency else None
         if sal is not None:
@@ -335,7 +375,7 @@ class RewardDistill(Method):
         x = x0_from_velocity(x_t, v_theta, t)
         sal = ro.extra.get("saliency")
         per = dmd_loss(x, g, weights=ro.extra["tilt"][idx] * ro.weights[idx], element_weights=None if sal is None else sal[idx])
-        loss = per.mean() + self.anchor(x, x0_from_velocity(x_t, v_base, t)).mean()
+        loss = per.mean() + self.anchor(v_theta, v_base, t).mean()
         return loss, {"distill/fake_loss": fake_loss}
 
     def fit_fake(self, x0: Tensor, emb: Tensor) -> float:
@@ -385,11 +425,12 @@ class AFD(Method):
 
     name = "afd"
     adapters = (REF,)
+    reward_gated = False  # the discriminator gives the weight; the rewards are only logged
 
     def __init__(self, trainer):
         super().__init__(trainer)
         emb = trainer.model.embed(["a"])
-        self.disc = Discriminator(emb.shape[-1])
+        self.disc = Discriminator(emb.shape[-1]).to(trainer.model.device)
         self.disc_opt = torch.optim.AdamW(self.disc.parameters(), lr=self.opt.disc_lr)
         self.nft = DiffusionNFT(trainer)
 
@@ -410,9 +451,14 @@ class AFD(Method):
         with torch.no_grad():
             d_s = self.disc(ro.videos, ro.embeds)
             d_t = self.disc(teacher, ro.embeds)
-        adv = afd_advantages(d_s, ro.group_ids)
-        ro.extra["afd_r"] = afd_weights(adv / (adv.std() + 1e-6))
-        stats.update({"afd/disc_loss": float(np.mean(losses)), "afd/teacher_minus_student": float((d_t - d_s).mean())})
+        adv = afd_advantages(d_s, ro.group_ids, whiten=True)
+        ro.extra["afd_r"] = afd_weights(adv)
+        stats.update({
+            "afd/disc_loss": float(np.mean(losses)),
+            "afd/teacher_minus_student": float((d_t - d_s).mean()),
+            # P(D ranks the teacher's video above the student's): falls toward 0.5 as the student catches up.
+            "afd/disc_accuracy": float((d_t > d_s).float().mean()),
+        })
         return stats
 
     def loss(self, ro, idx, update):
@@ -432,19 +478,30 @@ class OPSD(Method):
     Rollouts are weighted by exp(β·A) (mean 1), so the reward chooses which of its own paths the student keeps."""
 
     name = "opsd"
+    reward_gated = False  # the teacher's target needs no reward spread; the tilt is where the reward enters
 
     def __init__(self, trainer):
         super().__init__(trainer)
-        self._priv: dict[str, Tensor] = {}
+        if self.opt.opsd_teacher == "model":
+            teacher, student = trainer.teacher_model(), trainer.model
+            if teacher.latent_shape() != student.latent_shape():
+                raise ValueError(
+                    f"OPSD with opsd_teacher=model queries the teacher at the student's states, so their latents must "
+                    f"match: teacher latents {teacher.latent_shape()} (C, F', h, w) for {teacher.video_shape()} "
+                    f"(frames, height, width), student {student.latent_shape()} for {student.video_shape()}. Use a "
+                    "teacher with the student's latent space and video size, or AFD (which only needs its videos)"
+                )
 
     def rollout(self, prompts, embeds):
         return self.student_trajectory(embeds)
 
     def prepare(self, ro):
-        tilt = reward_tilt_weights(ro.advantages, beta=self.opt.tilt_beta)
+        tilt = reward_tilt_weights(self.tr.tilt_reward(ro), beta=self.opt.tilt_beta)
         ro.extra["w"] = tilt / tilt.mean()
         if self.opt.opsd_teacher == "privileged_prompt":
             ro.extra["teacher_emb"] = self.tr.model.embed([f"{p}, {self.opt.privileged_context}" for p in ro.prompts])
+        elif self.opt.opsd_teacher == "model":  # the teacher reads the prompts with its own text encoder
+            ro.extra["teacher_emb"] = self.tr.teacher_model().embed(ro.prompts)
         return {}
 
     def teacher_velocity(self, ro: Rollout, x_t: Tensor, t: Tensor, idx: Tensor) -> Tensor:
@@ -453,7 +510,8 @@ class OPSD(Method):
             return self.tr.model.velocity(x_t, t, ro.embeds[idx], BASE, guidance=g)
         if kind == "privileged_prompt":
             return self.tr.model.velocity(x_t, t, ro.extra["teacher_emb"][idx], BASE)
-        return self.tr.teacher_model().velocity(x_t, t, ro.embeds[idx], BASE, guidance=g)
+        # adapter None: the teacher as saved, its own LoRA adapters included.
+        return self.tr.teacher_model().velocity(x_t, t, ro.extra["teacher_emb"][idx], None, guidance=g)
 
     def loss(self, ro, idx, update):
         j = int(torch.randint(0, ro.extra["states"].shape[0], (1,), generator=self.tr.rng))
@@ -463,10 +521,9 @@ class OPSD(Method):
             v_teacher = self.teacher_velocity(ro, x_t, t, idx)
             v_base = self.tr.model.velocity(x_t, t, ro.embeds[idx], BASE)
         v_s = self.tr.model.velocity(x_t, t, ro.embeds[idx], TRAINED)
-        # The teacher's velocity at the visited state, compared as x̂_0 = x_t − t·v (the same minimiser; see anchor).
-        x0_s = x0_from_velocity(x_t, v_s, t)
-        per = opsd_loss(x0_s, x0_from_velocity(x_t, v_teacher, t), weights=ro.extra["w"][idx] * ro.weights[idx])
-        return per.mean() + self.anchor(x0_s, x0_from_velocity(x_t, v_base, t)).mean(), {}
+        # Our variant: compared as x̂_0 = x_t − t·v (the same minimiser, bounded near t = 0; see `anchor`).
+        per = opsd_loss(v_s, v_teacher, weights=ro.extra["w"][idx] * ro.weights[idx], t=t, space="x0")
+        return per.mean() + self.anchor(v_s, v_base, t).mean(), {}
 
 
 class FlowGRPO(Method):
@@ -577,10 +634,13 @@ class VideoTrainer:
             raise RuntimeError("the generator exposes no LoRA weights for adapter 'default'")
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=0.0)
         self.method = method_cls(self)
+        decay = self.method.eval_ema_decay()
+        self.eval_ema = generator.ema(TRAINED, decay=decay) if decay > 0 else None
 
     # Sampling ------------------------------------------------------------------------------------------------------
-    def noise(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
-        return self.model.noise(batch, generator or self.rng)
+    def noise(self, batch: int, generator: torch.Generator | None = None, *, model: Model | None = None) -> Tensor:
+        """Starting latents of `model` (default: the student), in that model's latent shape, on its device."""
+        return (model or self.model).noise(batch, generator or self.rng)
 
     @torch.no_grad()
     def ode(self, emb: Tensor, adapter: str, *, guidance: float = 1.0, noise: Tensor | None = None,
@@ -588,7 +648,7 @@ class VideoTrainer:
         """The pipeline's ODE (Euler on its sigmas) from fresh noise: latents (B, C, F', h, w) [, visited states]."""
         model = model or self.model
         return euler_sample(
-            model.velocity_fn(emb, adapter, guidance=guidance), self.noise(emb.shape[0]) if noise is None else noise,
+            model.velocity_fn(emb, adapter, guidance=guidance), self.noise(emb.shape[0], model=model) if noise is None else noise,
             schedule=model.schedule(self.cfg.model.num_inference_steps), return_trajectory=trajectory,
         )  # fmt: skip
 
@@ -599,23 +659,40 @@ class VideoTrainer:
 
     @torch.no_grad()
     def teacher_videos(self, ro: Rollout) -> Tensor:
-        """AFD's teacher videos, one per student sample, paired by prompt: from a folder of clips, from a teacher
-        generator, or from the reference with CFG (the default black box)."""
+        """AFD's teacher videos, one per student sample, paired by prompt, in the student's frames and size: from
+        a folder of clips, from a teacher generator, or from the base model with CFG (the default black box)."""
+        frames, size = ro.videos.shape[1], ro.videos.shape[-2:]
         if self.teacher_clips is not None:
             out = []
             for p in ro.prompts:
                 clips = self.teacher_clips[p]
                 out.append(clips[int(self.np_rng.integers(len(clips)))])
-            return torch.stack(out)
+            return resize_videos(torch.stack(out), frames, size).to(ro.videos.device)
         # One teacher sample per prompt, shared by its group.
         first = {int(g): i for i, g in reversed(list(enumerate(ro.group_ids.tolist())))}
-        rows = torch.tensor([first[int(g)] for g in ro.group_ids.tolist()])
+        rows = [first[int(g)] for g in ro.group_ids.tolist()]
         uniq = sorted(set(first.values()))
-        emb = ro.embeds[uniq]
-        teacher = self.teacher or self.model
-        vids = teacher.decode(self.ode(emb, BASE, guidance=self.cfg.train.options.teacher_guidance, model=teacher))
+        g = self.cfg.train.options.teacher_guidance
+        if self.teacher is not None:
+            # Another model: its own text encoder, its own latent shape, its own adapters (as saved: adapter None).
+            t = self.teacher
+            vids = t.decode(self.ode(t.embed([ro.prompts[u] for u in uniq]), None, guidance=g, model=t))
+        else:
+            vids = self.model.decode(self.ode(ro.embeds[uniq], BASE, guidance=g))
         pos = {u: k for k, u in enumerate(uniq)}
-        return vids[torch.tensor([pos[int(r)] for r in rows])]
+        vids = vids[torch.tensor([pos[r] for r in rows], device=vids.device)]
+        return resize_videos(vids, frames, size).to(ro.videos.device)
+
+    def tilt_reward(self, ro: Rollout) -> Tensor:
+        """The r of the exp(β·r) rollout tilt (distill, OPSD): `train.options.tilt_reward`.
+
+        balanced: Stream-R1's r = mean_k z_k − ½·std_k z_k over the rewards z-scored across the round
+        (`diffusion_rl.distill.stream_r1_reward`); advantage (our variant): the balanced GDPO advantage."""
+        if self.cfg.train.options.tilt_reward == "advantage":
+            return ro.advantages
+        z = torch.stack([s.float() for s in ro.scores.values()], dim=1)  # (B, K)
+        z = (z - z.mean(0)) / (z.std(0, correction=0) + 1e-6)
+        return stream_r1_reward(z).to(ro.advantages.device)
 
     def reward_saliency(self, ro: Rollout) -> tuple[Tensor, Tensor] | None:
         """Per-reward |∂r_k/∂pixels| maps (B, K, F, H, W) and z-scored rewards (B, K), from the differentiable
@@ -641,8 +718,7 @@ class VideoTrainer:
         k, g = self.cfg.train.prompts_per_round, self.cfg.train.group_size
         pick = self.np_rng.choice(len(self.prompts), size=k, replace=k > len(self.prompts))
         prompts = [self.prompts[i] for i in pick for _ in range(g)]
-        return prompts, torch.arange(k).repeat_interleave(g)
-
+        return prompts, torch.arange(k, device=self.model.device).repeat_interleave(g)
 
     def collect(self) -> Rollout:
         prompts, groups = self.sample_prompts()
@@ -652,19 +728,30 @@ class VideoTrainer:
             videos = self.model.decode(latents)
         ro = Rollout(prompts, groups, embeds, latents.detach(), videos, extra=extra)
         scored = self.rewards(videos, prompts, groups)
-        ro.scores, ro.advantages, ro.weights = scored.scores, scored.advantages, scored.weights
+        dev = self.model.device  # rewards may score elsewhere (a CPU success model): the losses live here
+        ro.scores = {k: v.to(dev) for k, v in scored.scores.items()}
+        ro.advantages, ro.weights = scored.advantages.to(dev), scored.weights.to(dev)
+        if not self.method.reward_gated:
+            ro.weights = torch.ones_like(ro.weights)
         ro.extra["reward_stats"] = scored.stats
         return ro
 
     def train_round(self, on_update: Callable[[], None] | None = None) -> dict[str, Any]:
-        """One round: rollouts, rewards, advantages, the method's updates. Returns the round's metrics."""
-        self.round += 1
+        """One round: rollouts, rewards, advantages, the method's updates. Returns the round's metrics.
+
+        `round` counts finished rounds: it moves only at the end, so a checkpoint never claims a half-done round."""
+        this_round = self.round + 1
         ro = self.collect()
-        record: dict[str, Any] = {"kind": "round", "round": self.round, "method": self.method.name}
+        record: dict[str, Any] = {"kind": "round", "round": this_round, "method": self.method.name}
         for name, s in ro.scores.items():
             record[f"rollout/{name}"] = float(s.mean())
         record["rollout/diversity"] = diversity(ro.videos, ro.group_ids)
-        record["adv/degenerate_group_fraction"] = ro.extra["reward_stats"]["degenerate_group_fraction"]
+        for key, value in ro.extra["reward_stats"].items():  # reward/<name>/{mean,std,min,max,group_std}, adv/...
+            if isinstance(value, (int, float)):
+                record[key if key.startswith("reward/") else f"adv/{key}"] = float(value)
+        adv = ro.advantages.float()
+        record.update({"adv/mean": float(adv.mean()), "adv/std": float(adv.std(correction=0)), "adv/abs_max": float(adv.abs().max()),
+                       "adv/weight_mean": float(ro.weights.float().mean())})  # fmt: skip
         record.update(self.method.prepare(ro))
         n = len(ro.prompts)
         losses = []
@@ -677,6 +764,8 @@ class VideoTrainer:
             self.optimizer.step()
             self.updates += 1
             self.method.after_update()
+            if self.eval_ema is not None:
+                self.eval_ema.update()
             losses.append(float(loss.detach()))
             for k, v in stats.items():  # means over the round's updates; the first-update ratio check as is
                 record[k] = v if k == "grpo/first_ratio_max_dev" else record.get(k, 0.0) + v / self.cfg.train.updates_per_round
@@ -685,6 +774,7 @@ class VideoTrainer:
                 on_update()
         record["train/loss"] = float(np.mean(losses)) if losses else float("nan")
         record["train/updates"] = self.updates
+        self.round = this_round
         return record
 
     # Evaluation ----------------------------------------------------------------------------------------------------
@@ -699,7 +789,7 @@ class VideoTrainer:
     def eval_prompts(self) -> tuple[list[str], Tensor]:
         k, s = self.cfg.eval.prompts, self.cfg.eval.samples_per_prompt
         base = [self.prompts[i % len(self.prompts)] for i in range(k)]
-        return [p for p in base for _ in range(s)], torch.arange(k).repeat_interleave(s)
+        return [p for p in base for _ in range(s)], torch.arange(k, device=self.model.device).repeat_interleave(s)
 
     def showcase(self, videos: Tensor, k: int) -> tuple[Tensor, list[str]]:
         """k evaluation samples for the grids and MP4s: the first sample of each prompt first, then the second..."""
@@ -709,8 +799,13 @@ class VideoTrainer:
         return videos[order], [prompts[i] for i in order.tolist()]
 
     def evaluate(self, adapter: str = TRAINED) -> tuple[dict[str, float], Tensor]:
+        """Rewards and diversity of fixed-noise samples; of the evaluation EMA where the method keeps one."""
         prompts, groups = self.eval_prompts()
-        videos = self.sample(prompts, seed=self.cfg.eval.seed, adapter=adapter)
+        if adapter == TRAINED and self.eval_ema is not None:
+            with self.eval_ema.swap_in():
+                videos = self.sample(prompts, seed=self.cfg.eval.seed, adapter=adapter)
+        else:
+            videos = self.sample(prompts, seed=self.cfg.eval.seed, adapter=adapter)
         scores = self.rewards.score(videos, prompts)
         out = {f"eval/{k}": float(v.mean()) for k, v in scores.items()}
         out["eval/diversity"] = diversity(videos, groups)
@@ -725,6 +820,7 @@ class VideoTrainer:
             "updates": self.updates,
             "optimizer": self.optimizer.state_dict(),
             "method_state": self.method.state_dict(),
+            "eval_ema": None if self.eval_ema is None else self.eval_ema.state_dict(),
             "rng": {
                 "trainer": self.rng.get_state(),
                 "numpy": self.np_rng.bit_generator.state,
@@ -737,25 +833,12 @@ class VideoTrainer:
         """LoRA weights of every adapter (the trained one, its EMA reference, the fake score), optimisers, method
         state, RNG states and the round, written to a temporary folder and then renamed: a kill never leaves a
         half-written checkpoint."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in self.model.all_adapter_state().items()}, str(tmp / "adapters.safetensors"))
-        buf = io.BytesIO()
-        torch.save({**self.state_dict(), "extra": extra or {}}, buf)
-        (tmp / "trainer.pt").write_bytes(buf.getvalue())
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-        return path
+        with atomic_folder(path) as tmp:
+            save_file({k: v.contiguous().cpu() for k, v in self.model.all_adapter_state().items()}, str(tmp / "adapters.safetensors"))
+            buf = io.BytesIO()
+            torch.save({**self.state_dict(), "extra": extra or {}}, buf)
+            (tmp / "trainer.pt").write_bytes(buf.getvalue())
+        return Path(path)
 
     def load(self, path: Path) -> dict[str, Any]:
         """Restore what `save` wrote; returns its `extra`."""
@@ -768,6 +851,10 @@ class VideoTrainer:
         self.model.load_all_adapter_state(load_file(str(path / "adapters.safetensors")))
         self.optimizer.load_state_dict(state["optimizer"])
         self.method.load_state_dict(state["method_state"])
+        if (state.get("eval_ema") is None) != (self.eval_ema is None):
+            raise ValueError(f"{path}: the checkpoint's evaluation EMA does not match this config (train.options.awr_eval_ema)")
+        if self.eval_ema is not None:
+            self.eval_ema.load_state_dict(state["eval_ema"])
         self.round, self.updates = state["round"], state["updates"]
         rng = state["rng"]
         self.rng.set_state(rng["trainer"])
@@ -775,6 +862,19 @@ class VideoTrainer:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         return state.get("extra", {})
+
+
+def resize_videos(videos: Tensor, frames: int, size: tuple[int, int] | int) -> Tensor:
+    """(B, F, C, H, W) -> (B, frames, C, *size): frames picked evenly over the clip, pixels area-resized (another
+    teacher's videos in the student's format, for a discriminator that compares them)."""
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    B, Fr, C, H, W = videos.shape
+    if Fr != frames:
+        idx = torch.as_tensor(np.round(np.linspace(0, Fr - 1, frames)).astype(np.int64), device=videos.device)
+        videos = videos.index_select(1, idx)
+    if (H, W) != size:
+        videos = F.interpolate(videos.flatten(0, 1), size=size, mode="area").unflatten(0, (B, frames))
+    return videos
 
 
 def base_weights(generator: nn.Module) -> dict[str, Tensor]:

@@ -14,9 +14,12 @@ Reads top to bottom:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ from kinema.train.workflow import Run
 from kinema.video.config import VideoTrainConfig, dump_config
 from kinema.video.report import write_grid, write_report, write_reward_curves, write_videos_mp4
 from kinema.video.trainer import VideoTrainer
+from policies.checkpoint import write_text_atomic
 from policies.video.rewards import RewardSet, SuccessReward, VideoClips, VideoSuccessConfig, episode_clips, make_rewards
 
 SIM_DIR = "sim_videos"
@@ -123,13 +127,13 @@ def pretrained_generator(cfg: VideoTrainConfig, clips: VideoClips | None, run: R
 
     folder = run.root / PRETRAINED_DIR
     if folder.exists():
-        return VideoGenerator.from_pretrained(folder)
+        return place(VideoGenerator.from_pretrained(folder, torch_dtype=torch_dtype(cfg)), cfg)
     if cfg.model.path:
-        gen = VideoGenerator.from_pretrained(cfg.model.path)
+        gen = load_generator(cfg.model.path, cfg)
     else:
-        gen = VideoGenerator.from_preset(
+        gen = place(VideoGenerator.from_preset(
             cfg.model.preset, seed=cfg.seed, num_frames=cfg.data.frames, height=cfg.data.size, width=cfg.data.size
-        )
+        ), cfg)  # fmt: skip
     record: dict[str, Any] = {"kind": "pretrain", "steps": cfg.pretrain.steps}
     if cfg.pretrain.steps and clips is not None:
         p = cfg.pretrain
@@ -144,6 +148,32 @@ def pretrained_generator(cfg: VideoTrainConfig, clips: VideoClips | None, run: R
     gen.save_pretrained(folder)
     run.log(record)
     return gen
+
+
+def torch_dtype(cfg: VideoTrainConfig) -> torch.dtype:
+    return getattr(torch, cfg.model.dtype)
+
+
+def place(gen: Any, cfg: VideoTrainConfig) -> Any:
+    """The generator on `model.device` in `model.dtype`."""
+    return gen.to(device=torch.device(cfg.model.device), dtype=torch_dtype(cfg))
+
+
+def load_generator(path: str | Path, cfg: VideoTrainConfig) -> Any:
+    """A generator folder (ours, or a real Wan checkpoint) at the run's video shape: data.frames × data.size².
+
+    The sim clips, the pre-training and the success reward all use that shape, so it overrides what the folder
+    says (a real Wan folder would otherwise sample 81 × 480 × 832); a shape the model's VAE or patches cannot take
+    is refused with the reason."""
+    from policies.video.generator import VideoGenerator
+
+    shape = dict(num_frames=cfg.data.frames, height=cfg.data.size, width=cfg.data.size)
+    gen = VideoGenerator.from_pretrained(path, torch_dtype=torch_dtype(cfg), **shape)
+    try:
+        gen.check_shape(cfg.data.frames, cfg.data.size, cfg.data.size)
+    except ValueError as e:
+        raise ValueError(f"{path} cannot generate the run's data.frames={cfg.data.frames} × data.size={cfg.data.size}: {e}") from e
+    return place(gen, cfg)
 
 
 def pretrain(
@@ -178,7 +208,7 @@ def pretrain(
     gen.train()
     for step in range(steps):
         idx = torch.randint(0, len(latents), (min(batch_size, len(latents)),), generator=g)
-        drop = torch.rand(len(idx), generator=g) < cfg_dropout
+        drop = (torch.rand(len(idx), generator=g) < cfg_dropout).to(embeds.device)
         emb = torch.where(drop[:, None, None], empty, embeds[idx])
         loss = gen.flow_loss({"x0": latents[idx], "prompt_embeds": emb}).mean()
         opt.zero_grad(set_to_none=True)
@@ -237,8 +267,33 @@ def teachers(cfg: VideoTrainConfig) -> tuple[Any | None, dict[str, torch.Tensor]
     if o.teacher_path and (method == "afd" and clips is None or method == "opsd" and o.opsd_teacher == "model"):
         from policies.video.generator import VideoGenerator
 
-        model = VideoGenerator.from_pretrained(o.teacher_path)
+        # The teacher keeps its own shape (AFD resizes its videos; OPSD checks that the latents match).
+        model = place(VideoGenerator.from_pretrained(o.teacher_path, torch_dtype=torch_dtype(cfg)), cfg)
     return model, clips
+
+
+@contextlib.contextmanager
+def interrupt_between_rounds(console: Console) -> Iterator[Callable[[], bool]]:
+    """Defer Ctrl-C to the end of the current round: yields `pending()`; a second Ctrl-C interrupts at once.
+
+    A round stopped half-way has moved the weights without finishing its updates; saving that would checkpoint a
+    state no round boundary ever had. Only the main thread can take signals; elsewhere Ctrl-C is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    hits = []
+
+    def handler(signum, frame):
+        hits.append(signum)
+        if len(hits) > 1:
+            raise KeyboardInterrupt
+        console.print("[yellow]Ctrl-C: stopping after this round (press again to stop now, without saving it)")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(hits)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -254,12 +309,12 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
 
     # 1. Run folder ------------------------------------------------------------------------------------------------
     run = Run(cfg.run_dir(), console)
-    state = run.state() if resume else {}
-    if resume and not state:
-        raise FileNotFoundError(f"nothing to resume in {run.root}: no state.json (start it without --resume)")
     if not resume and run.state():
         raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
-    (run.root / "config.yaml").write_text(dump_config(cfg))
+    state = run.resume() if resume else {}  # drops the metrics records the last checkpoint does not cover
+    if resume and not state:
+        raise FileNotFoundError(f"nothing to resume in {run.root}: no state.json (start it without --resume)")
+    write_text_atomic(run.root / "config.yaml", dump_config(cfg))
     samples = run.root / "samples"
 
     # 2-4. Sim videos, rewards, the pre-trained generator (each read back from the run folder when there) -----------
@@ -292,33 +347,35 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
 
     t = cfg.train
     elapsed0 = state.get("elapsed_s", 0.0)
-    try:
-        with progress_bar(console) as bar:
-            job = bar.add_task(f"post-training ({t.method})", total=t.rounds * t.updates_per_round,
-                               completed=trainer.round * t.updates_per_round, status="")  # fmt: skip
-            while trainer.round < t.rounds:
-                bar.update(job, status=f"round {trainer.round + 1}: rollouts")
-                record = trainer.train_round(on_update=lambda: bar.update(job, advance=1))
-                record["time_s"] = elapsed0 + time.time() - started
-                if trainer.round % cfg.eval.interval == 0 or trainer.round == t.rounds:
-                    bar.update(job, status=f"round {trainer.round}: evaluating")
-                    ev, _ = trainer.evaluate()
-                    run.log(record)
-                    run.log({"kind": "eval", "stage": "round", "round": trainer.round, **ev})
-                    name = f"checkpoints/round-{trainer.round:03d}"
-                    trainer.save(run.root / name)
-                    state = {**state, "round": trainer.round, "latest_checkpoint": name, "elapsed_s": record["time_s"], "final_done": False}
-                    run.save_state(state)
-                    shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3g}" for k, v in ev.items())
-                    bar.update(job, status=f"round {trainer.round}: {shown}")
-                else:
-                    run.log(record)
-    except KeyboardInterrupt:
-        name = "checkpoints/interrupted"
-        trainer.save(run.root / name)
-        run.save_state({**state, "round": trainer.round, "latest_checkpoint": name})
-        console.print(f"[yellow]interrupted: saved {run.root / name}; continue with `kinema video train --resume {run.root}`")
-        raise
+    # Ctrl-C stops after the current round and saves it; a second Ctrl-C stops at once without a save (the last
+    # checkpoint stands, and resume drops the metrics records logged after it).
+    with progress_bar(console) as bar, interrupt_between_rounds(console) as interrupted:
+        job = bar.add_task(f"post-training ({t.method})", total=t.rounds * t.updates_per_round,
+                           completed=trainer.round * t.updates_per_round, status="")  # fmt: skip
+        while trainer.round < t.rounds:
+            bar.update(job, status=f"round {trainer.round + 1}: rollouts")
+            record = trainer.train_round(on_update=lambda: bar.update(job, advance=1))
+            record["time_s"] = elapsed0 + time.time() - started
+            if trainer.round % cfg.eval.interval == 0 or trainer.round == t.rounds:
+                bar.update(job, status=f"round {trainer.round}: evaluating")
+                ev, _ = trainer.evaluate()
+                run.log(record)
+                run.log({"kind": "eval", "stage": "round", "round": trainer.round, **ev})
+                name = f"checkpoints/round-{trainer.round:03d}"
+                trainer.save(run.root / name)
+                state = {**state, "round": trainer.round, "latest_checkpoint": name, "elapsed_s": record["time_s"], "final_done": False}
+                run.save_state(state)
+                shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3g}" for k, v in ev.items())
+                bar.update(job, status=f"round {trainer.round}: {shown}")
+            else:
+                run.log(record)
+            if interrupted():
+                # Between rounds: the trainer holds exactly `trainer.round` finished rounds, all logged.
+                name = "checkpoints/interrupted"
+                trainer.save(run.root / name)
+                run.save_state({**state, "round": trainer.round, "latest_checkpoint": name, "elapsed_s": record["time_s"], "final_done": False})
+                console.print(f"[yellow]interrupted: saved {run.root / name}; continue with `kinema video train --resume {run.root}`")
+                raise KeyboardInterrupt
 
     # 6. After: evaluation, pictures, report ------------------------------------------------------------------------
     if not state.get("final_done"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from diffusion_rl.success_model import (
     make_target,
     success_model_update,
 )
+from policies.checkpoint import atomic_file
 from policies.video.rewards.base import VideoReward
 from policies.video.rewards.clips import DEFAULT_STRIDE, VideoClips, episode_clips
 from policies.vla.text import HashTokenizer, TextEncoder
@@ -372,17 +372,11 @@ class SuccessReward(VideoReward):
         ax2.set(xlabel="predicted p(success)", ylabel="clips")
         ax2.legend()
         fig.tight_layout()
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.parent)
-        os.close(fd)
         try:
-            fig.savefig(tmp, dpi=100)
-            os.replace(tmp, target)
+            with atomic_file(path) as tmp:
+                fig.savefig(tmp, dpi=100)
         finally:
             plt.close(fig)
-            if os.path.exists(tmp):
-                os.remove(tmp)
         return metrics
 
     # ----- persistence ---------------------------------------------------------------------------------------------
