@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from diffusion_rl import flow
 from diffusion_rl.flow import SDEStep
+from policies._hf import quiet_transformers
 from policies.checkpoint import atomic_folder
 from policies.video.configuration_video import VideoGeneratorConfig, check_video_shape, preset_config
 from policies.video.modeling_lora import BASE, EMA, NamedLoraAdapters
@@ -131,7 +132,8 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
             self.transformer.save_config(tmp / "transformer")
             save_file(self.base_state_dict(), str(tmp / "transformer" / WEIGHTS_NAME), metadata={"format": "pt"})
             self.vae.save_pretrained(tmp / "vae", safe_serialization=True)
-            self.text_encoder.save_pretrained(tmp / "text_encoder", safe_serialization=True)
+            with quiet_transformers():
+                self.text_encoder.save_pretrained(tmp / "text_encoder", safe_serialization=True)
             self.tokenizer.save_pretrained(tmp / "tokenizer")
             self.scheduler.save_pretrained(tmp / "scheduler")
             (tmp / "model_index.json").write_text(json.dumps(self._model_index(), indent=2))
@@ -183,8 +185,9 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
 
         transformer = load_component(path, "transformer", torch_dtype=torch_dtype)
         vae = load_component(path, "vae", torch_dtype=torch_dtype)
-        text_encoder = load_text_encoder(path / "text_encoder", torch_dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", local_files_only=True)
+        with quiet_transformers():
+            text_encoder = load_text_encoder(path / "text_encoder", torch_dtype=torch_dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", local_files_only=True)
         sched_cfg = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
         if sched_cfg.get("_class_name") == "FlowMatchEulerDiscreteScheduler":
             scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path / "scheduler", local_files_only=True)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from policies._hf import quiet_transformers
 from policies.vla.configuration_vla import VLAConfig
 
 SUPPORTED_MODEL_TYPES = ("idefics3", "smolvlm")  # SmolVLM(1) saves as idefics3, SmolVLM2 as smolvlm: same layout
@@ -76,28 +77,6 @@ def backbone_fingerprint(path: str) -> str:
                 f.seek(offset)
                 digest.update(f.read(_SAMPLE_BYTES))
     return digest.hexdigest()[:16]
-
-
-def _quiet_transformers():
-    """Loading reports (e.g. the unused `lm_head`) and weight-loading bars are noise for a prefix backbone."""
-    import contextlib
-
-    from transformers.utils import logging as hf_logging
-
-    @contextlib.contextmanager
-    def scope():
-        verbosity = hf_logging.get_verbosity()
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        try:
-            yield
-        finally:
-            hf_logging.set_verbosity(verbosity)
-            if bars:
-                hf_logging.enable_progress_bar()
-
-    return scope()
 
 
 # ----- state-dict hooks: the frozen base weights are referenced by path, never saved -------------------------------------
@@ -153,7 +132,7 @@ class SmolVLMPrefix(nn.Module):
         path = config.backbone_path
         self.backbone_path = path
         raw = read_backbone_config(path)
-        with _quiet_transformers():
+        with quiet_transformers():
             backbone = AutoModel.from_pretrained(path, local_files_only=True, dtype=_DTYPES[config.backbone_dtype])
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         for part in ("vision_model", "connector", "text_model"):
@@ -342,7 +321,7 @@ def write_tiny_idefics3(
         model = Idefics3ForConditionalGeneration(config)
     finally:
         torch.random.set_rng_state(state)
-    with _quiet_transformers():
+    with quiet_transformers():
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
     return directory
