@@ -176,7 +176,7 @@ def test_unknown_method_reward_or_shape_is_explained(tmp_path: Path):
 
 
 def kinema_video(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kinema.video.commands", *args], capture_output=True, text=True, timeout=900)
+    return subprocess.run([sys.executable, "-m", "kinema.cli", "video", *args], capture_output=True, text=True, timeout=900)
 
 
 def test_command_reports_bad_input_with_exit_code_2(tmp_path: Path):

@@ -44,23 +44,3 @@ def run_video_command(args: argparse.Namespace, extra: list[str]) -> int:
     train_video(cfg)
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kinema.video.commands train ...`: the same as `kinema video train ...` before the CLI wiring."""
-    import sys
-
-    parser = argparse.ArgumentParser(prog="kinema")
-    add_video_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args, extra = parser.parse_known_args(["video", *(argv if argv is not None else sys.argv[1:])])
-    try:
-        return run_video_command(args, extra)
-    except (ValueError, FileExistsError, FileNotFoundError) as err:
-        print(f"kinema: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("kinema: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,9 +10,12 @@ shared state with a lock.
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+_log = logging.getLogger("robot.transport")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,24 @@ class Publisher(abc.ABC):
 class Subscription(abc.ABC):
     topic: str
     msg_type: type
+    received: int = 0
+    dropped: int = 0
+
+    def _deliver(self, convert: Callable[[Any], Any], sample: Any, callback: Callable[[Any], None]) -> None:
+        """Convert a backend sample and hand it to the callback. A sample that does not convert, or a callback that
+        raises, is counted and logged: the backend's delivery thread must carry on."""
+        try:
+            msg = convert(sample)
+        except Exception as e:
+            self.dropped += 1
+            _log.warning("dropped an invalid %s sample on %s: %r", self.msg_type.ros_type, self.topic, e)
+            return
+        try:
+            callback(msg)
+            self.received += 1
+        except Exception:
+            self.dropped += 1
+            _log.exception("subscription callback on %s raised; the delivery thread carries on", self.topic)
 
     def close(self) -> None:  # noqa: B027
         pass

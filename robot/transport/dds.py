@@ -437,18 +437,7 @@ class DDSSubscription(Subscription):
                 return
             if isinstance(samples[0], InvalidSample):  # instance state news (a writer left), not data
                 continue
-            try:
-                msg = self._codec.from_wire(samples[0])
-            except Exception as e:
-                self.dropped += 1
-                log.warning("dropped an invalid %s sample on %s: %r", self.msg_type.ros_type, self.topic, e)
-                continue
-            try:
-                self._callback(msg)
-                self.received += 1
-            except Exception:
-                self.dropped += 1
-                log.exception("subscription callback on %s raised; the reader thread carries on", self.topic)
+            self._deliver(self._codec.from_wire, samples[0], self._callback)
 
     def publisher_count(self) -> int:
         """Matched publishers, local and remote (rclpy's `get_publisher_count`)."""

@@ -153,18 +153,7 @@ class RclpySubscription(Subscription):
 
     def _on_message(self, ros_msg: Any) -> None:
         # rclpy lets a callback's exception escape spin_once; catch it here so that the executor thread lives on.
-        try:
-            msg = from_ros(ros_msg, self.msg_type)
-        except Exception as e:
-            self.dropped += 1
-            log.warning("dropped an invalid %s sample on %s: %r", self.msg_type.ros_type, self.topic, e)
-            return
-        try:
-            self._callback(msg)
-            self.received += 1
-        except Exception:
-            self.dropped += 1
-            log.exception("subscription callback on %s raised; the executor thread carries on", self.topic)
+        self._deliver(lambda m: from_ros(m, self.msg_type), ros_msg, self._callback)
 
     def publisher_count(self) -> int:
         return 0 if self._handle is None else self._transport._node.count_publishers(self.topic)
