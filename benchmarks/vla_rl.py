@@ -51,9 +51,12 @@ QUICK = [
 ]  # fmt: skip
 
 
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def final_eval(run: Path, stage: str) -> dict:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return next(r for r in reversed(records) if r.get("kind") == "eval" and r.get("stage") == stage)
+    return next(r for r in reversed(_records(run)) if r.get("kind") == "eval" and r.get("stage") == stage)
 
 
 def main() -> None:
@@ -62,7 +65,11 @@ def main() -> None:
     parser.add_argument("--tasks", default="drawer,push,pick_place")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--config", default=None, help="base config (YAML) for every run")
+    parser.add_argument(
+        "--config", default="{task}_habc",
+        help="base config of each task's runs: a YAML path or shipped name; {task} is replaced by the task "
+        "(default: the shipped <task>_habc.yaml, which sets the demo count and SFT budget that place SFT at 20-60%%)",
+    )
     parser.add_argument("--out", default="runs/bench_vla_rl")
     args, overrides = parser.parse_known_args()
     tasks = ["drawer"] if args.quick else args.tasks.split(",")
@@ -73,25 +80,37 @@ def main() -> None:
     started = time.time()
 
     rows: dict[str, dict[str, list]] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
+    task_minutes: dict[str, float] = {}
+    per_task: dict[str, dict[str, list]] = {}  # task -> method -> [(train success, held-out success)] over seeds
     for task in tasks:
+        task_started = time.time()
+        config = args.config.format(task=task) if args.config else None
         for seed in range(seeds):
             base = out / f"{task}-s{seed}" / "sft"
             if not (base / "state.json").exists():
-                cfg = load_config(args.config, [*base_overrides, "--task", task, "--seed", str(seed), "--rl.method", "none", "--out", str(base)])
+                cfg = load_config(config, [*base_overrides, "--task", task, "--seed", str(seed), "--rl.method", "none", "--out", str(base)])
                 train(cfg)
             sft = final_eval(base, "sft")
             _add(rows["sft"], sft, sft)
+            _add_task(per_task, task, "sft", sft)
             for method in methods:
                 run = out / f"{task}-s{seed}" / method
                 if not (run / "state.json").exists() or not json.loads((run / "state.json").read_text()).get("final_done"):
                     cfg = load_config(
-                        args.config,
+                        config,
                         [*base_overrides, *METHODS[method], "--task", task, "--seed", str(seed), "--out", str(run),
                          "--init_policy", str(base / "checkpoints" / "sft"), "--dataset", str(base / "demos"),
                          "--eval.baseline", "false"],
                     )  # fmt: skip
                     train(cfg, resume=(run / "state.json").exists())
-                _add(rows[method], final_eval(run, "final"), sft)
+                final = final_eval(run, "final")
+                _add(rows[method], final, sft)
+                takeovers = [r["rollout/takeover_rate"] for r in _records(run) if r.get("kind") == "round" and r.get("rollout/takeover_rate") is not None]
+                if "--rl.interventions" in METHODS[method] and len(takeovers) >= 2:
+                    rows[method].setdefault("takeover", []).append((takeovers[0], takeovers[-1]))
+                _add_task(per_task, task, method, final)
+        # Wall minutes this invocation spent on the task (runs finished earlier and reused count zero).
+        task_minutes[task] = round((time.time() - task_started) / 60, 1)
 
     summary = {}
     print(f"\n{'method':<15} {'success':>14} {'held-out':>14} {'steps':>8} {'gain (pts)':>12}")
@@ -104,6 +123,10 @@ def main() -> None:
             "steps_to_success": _mean([s for s in r["steps"] if s is not None]),
             "gain_over_sft": None if method == "sft" else _mean(r["gain"]),
         }
+        if r.get("takeover"):  # the simulated human: takeovers per rollout in the first and the last round
+            first, last = (float(np.mean(v)) for v in zip(*r["takeover"]))
+            entry.update(takeover_rate_first_round=round(first, 3), takeover_rate_last_round=round(last, 3),
+                         takeover_fall=round(first / max(last, 1e-9), 2))  # fmt: skip
         summary[method] = entry
         gain = "" if entry["gain_over_sft"] is None else f"{100 * entry['gain_over_sft']:+.1f}"
         steps = entry["steps_to_success"] or float("nan")
@@ -111,7 +134,17 @@ def main() -> None:
             f"{method:<15} {_pct(entry['success'], entry['success_se']):>14} "
             f"{_pct(entry['heldout_success'], entry['heldout_success_se']):>14} {steps:>8.1f} {gain:>12}"
         )
-    summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "minutes": round((time.time() - started) / 60, 1)}
+    # Per task: mean success over seeds, and HABC's margin over the best baseline (the control included).
+    by_task: dict[str, dict] = {}
+    for task, entries in per_task.items():
+        by_task[task] = {m: round(float(np.mean(v)), 4) for m, v in entries.items()}
+        baselines = [by_task[task][m] for m in ("sft", "sft_continued", "awr", "flow_ppo") if m in by_task[task]]
+        if "habc" in by_task[task] and baselines:
+            by_task[task]["habc_margin_over_best_baseline"] = round(by_task[task]["habc"] - max(baselines), 4)
+        print(f"{task:<12} " + "  ".join(f"{m} {100 * v:.0f}" for m, v in by_task[task].items() if m != "habc_margin_over_best_baseline")
+              + (f"  | HABC - best baseline {100 * by_task[task]['habc_margin_over_best_baseline']:+.0f} pts" if "habc_margin_over_best_baseline" in by_task[task] else ""))
+    summary["per_task_success"] = by_task
+    summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "minutes": round((time.time() - started) / 60, 1), "task_minutes": task_minutes}
     print(json.dumps(summary))
 
 
@@ -122,6 +155,10 @@ def _add(row: dict[str, list], record: dict, sft: dict) -> None:
         row["heldout"].append((float(np.mean([h[0] for h in held])), sum(h[1] for h in held)))
     row["steps"].append(record.get("train/steps_to_success"))
     row["gain"].append(record["train/success"] - sft["train/success"])
+
+
+def _add_task(per_task: dict[str, dict[str, list]], task: str, method: str, record: dict) -> None:
+    per_task.setdefault(task, {}).setdefault(method, []).append(record["train/success"])
 
 
 def _mean(values: list) -> float | None:
