@@ -69,6 +69,8 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--out", default=None, help="report folder (default: <checkpoint>/eval-<task>)")
     ev.add_argument("--workers", type=int, default=2)
     ev.add_argument("--videos", type=int, default=2)
+    ev.add_argument("--task-config", default="", help='JSON overrides of the task\'s difficulty, e.g. \'{"num_distractors": 0}\'')
+    ev.add_argument("--threads", type=int, default=1, help="torch threads (one is fastest on a shared CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,12 +62,15 @@ def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
     out = tmp_path / "eval"
     result = kinema(
         "eval", "--policy", str(run / "checkpoints" / "round-002"), "--task", "push", "--episodes", "2",
-        "--splits", "train", "--workers", "0", "--videos", "0", "--out", str(out),
+        "--splits", "train", "--workers", "0", "--videos", "0", "--out", str(out), "--task-config", '{"num_distractors": 0}',
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained on ['drawer'], not on 'push'" in result.stderr
     report = json.loads((out / "eval.json").read_text())
     assert report["results"]["train"]["episodes"] == 2 and report["seen_tasks"] == ["drawer"]
+    assert report["task_config"] == {"num_distractors": 0}
+    bad = kinema("eval", "--policy", str(run / "checkpoints" / "round-002"), "--task", "push", "--task-config", "[0]")
+    assert bad.returncode != 0 and "--task-config must be a JSON object" in bad.stderr
     assert "unseen" in (out / "report.md").read_text()
 
 

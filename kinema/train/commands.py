@@ -28,12 +28,22 @@ def train_command(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def eval_command(args: argparse.Namespace) -> int:
+    import torch
+
     from kinema.train.evaluate import evaluate
     from policies.vla import VLAPolicy
     from sim.tasks import task_class
 
     task_class(args.task)
     console = Console(stderr=True)
+    # More than one intra-op thread spins against the env workers: an evaluation ran >10x slower on 2 cores.
+    torch.set_num_threads(max(1, args.threads))
+    try:
+        task_config = json.loads(args.task_config) if args.task_config else None
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--task-config must be a JSON object, e.g. '{{\"num_distractors\": 0}}'; got {args.task_config!r} ({err})") from None
+    if task_config is not None and not isinstance(task_config, dict):
+        raise SystemExit(f"--task-config must be a JSON object; got {args.task_config!r}")
     policy = VLAPolicy.from_pretrained(args.policy)
     seen = policy.config.extra.get("tasks", [])
     if seen and args.task not in seen:
@@ -44,11 +54,13 @@ def eval_command(args: argparse.Namespace) -> int:
     for split in args.splits.split(","):
         res, _ = evaluate(
             policy, args.task, episodes=args.episodes, split=split.strip(), num_workers=args.workers,
-            image_size=policy.config.image_size,
+            image_size=policy.config.image_size, task_config=task_config,
         )  # fmt: skip
         results[split] = res.as_dict()
         console.print(f"{split}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes")
-    (out / "eval.json").write_text(json.dumps({"policy": args.policy, "task": args.task, "seen_tasks": seen, "results": results}, indent=2))
+    (out / "eval.json").write_text(
+        json.dumps({"policy": args.policy, "task": args.task, "task_config": task_config, "seen_tasks": seen, "results": results}, indent=2)
+    )
     lines = [f"# kinema eval: {args.policy} on {args.task}", ""]
     if seen and args.task not in seen:
         lines += [f"Note: the checkpoint was trained on {seen}; {args.task} is unseen.", ""]
@@ -61,7 +73,7 @@ def eval_command(args: argparse.Namespace) -> int:
         from kinema.train.config import TrainConfig
         from kinema.train.report import record_videos
 
-        cfg = TrainConfig(task=args.task)
+        cfg = TrainConfig(task=args.task, task_config=task_config or {})
         cfg.eval.videos = args.videos
         cfg.policy.image_size = policy.config.image_size
         record_videos(policy, cfg, out / "videos", "eval")
