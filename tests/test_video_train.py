@@ -66,6 +66,19 @@ def test_every_method_changes_only_the_lora_weights(method: str):
         assert np.isfinite(record[name])
 
 
+def test_distill_fake_score_takes_dmd_fake_updates_steps_per_student_update():
+    trainer, gen, _ = make_trainer("distill", "--train.options.dmd_fake_updates", "3")
+    fake_before = gen.adapter_state_dict("fake")
+    record = trainer.train_round()  # two student updates
+    steps = {int(s["step"]) for s in trainer.method.fake_opt.state_dict()["state"].values()}
+    assert steps == {6} and trainer.optimizer.state_dict()["state"][0]["step"] == 2
+    assert np.isfinite(record["distill/fake_loss"])
+    fake = gen.adapter_state_dict("fake")
+    assert any(not torch.equal(fake[k], fake_before[k]) for k in fake)
+    with pytest.raises(ValueError, match="dmd_fake_updates"):
+        load_video_config(None, ["--train.options.dmd_fake_updates", "0"])
+
+
 def test_cfg_free_sampling_after_awr_goes_through_the_pipeline():
     trainer, gen, _ = make_trainer("awr", "--train.lr", "3e-3")
     for _ in range(2):
@@ -482,3 +495,46 @@ def test_workflow_resume_after_a_kill_and_ctrl_c_between_rounds(tmp_path: Path, 
     assert [(r["stage"], r["round"]) for r in records if r["kind"] == "eval"] == [
         ("before", 0), ("round", 2), ("round", 4), ("round", 5), ("after", 5)]  # fmt: skip
     assert [r["train/updates"] for r in records if r["kind"] == "round"] == [1, 2, 3, 4, 5]
+
+
+def test_ctrl_c_during_pretraining_says_so_and_the_same_command_reuses_what_was_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import io
+    import os
+    import signal
+
+    from rich.console import Console
+
+    from kinema.video import workflow
+
+    run = tmp_path / "run"
+    real_pretrain = workflow.pretrain
+    calls = []
+
+    def ctrl_c_at_step_1(gen, *args, on_step=None, **kw):
+        calls.append(kw["steps"])
+
+        def step(i, loss):
+            if i == 1:
+                os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C: Python's own handler raises KeyboardInterrupt
+            on_step(i, loss)
+
+        return real_pretrain(gen, *args, on_step=step, **kw)
+
+    monkeypatch.setattr(workflow, "pretrain", ctrl_c_at_step_1)
+    out = io.StringIO()
+    cfg = _workflow_cfg(run, "--pretrain.steps", "5", "--train.rounds", "1")
+    with pytest.raises(KeyboardInterrupt):
+        workflow.train_video(cfg, console=Console(file=out, width=400))
+    assert "interrupted before the first checkpoint" in out.getvalue()
+    assert "sim_videos kept and reused" in out.getvalue()
+    assert not (run / "state.json").exists() and not (run / "pretrained").exists()
+    assert (run / "sim_videos" / "meta" / "info.json").is_file()
+
+    monkeypatch.setattr(workflow, "pretrain", real_pretrain)
+    sim_mtime = (run / "sim_videos" / "meta" / "info.json").stat().st_mtime_ns
+    workflow.train_video(cfg, console=Console(file=io.StringIO()))
+    assert (run / "sim_videos" / "meta" / "info.json").stat().st_mtime_ns == sim_mtime  # read back, not re-collected
+    state = json.loads((run / "state.json").read_text())
+    assert state["round"] == 1 and state["final_done"] and calls == [5]

@@ -367,9 +367,9 @@ class RewardDistill(Method):
             f_real = x0_from_velocity(xn, m.velocity(xn, tn, emb, BASE, guidance=self.opt.teacher_guidance), tn)
             f_fake = x0_from_velocity(xn, m.velocity(xn, tn, emb, FAKE), tn)
             g = dmd_gradient(x_det, f_fake, f_real)
-        # 3. The fake score follows the student's current outputs; fitted before the student's graph is built,
-        #    so that switching adapters cannot touch the flags of a graph in flight.
-        fake_loss = self.fit_fake(x_det, emb)
+        # 3. The fake score follows the student's current outputs (`dmd_fake_updates` steps); fitted before the
+        #    student's graph is built, so that switching adapters cannot touch the flags of a graph in flight.
+        fake_loss = float(np.mean([self.fit_fake(x_det, emb) for _ in range(self.opt.dmd_fake_updates)]))
         # 4. The student's one-step output, pushed along −g with the reward tilt and the saliency weights.
         v_theta = m.velocity(x_t, t, emb, TRAINED)
         x = x0_from_velocity(x_t, v_theta, t)

@@ -296,6 +296,24 @@ def interrupt_between_rounds(console: Console) -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
+@contextlib.contextmanager
+def interrupt_note_before_checkpoint(console: Console, root: Path, *, resuming: bool) -> Iterator[None]:
+    """Ctrl-C before post-training's first round (sim videos, success reward, pre-training, the first evaluation):
+    there is no checkpoint to resume yet, but every stage already saved in the run folder is read back, so the
+    same command picks up from there. Says so, then lets the KeyboardInterrupt through (the CLI exits with 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if resuming:
+            console.print(f"[yellow]interrupted while loading {root}; its last checkpoint is unchanged: resume again")
+        else:
+            done = [name for name in (SIM_DIR, SUCCESS_DIR, PRETRAINED_DIR) if (root / name).exists()]
+            kept = f" ({', '.join(done)} kept and reused)" if done else ""
+            console.print(f"[yellow]interrupted before the first checkpoint: nothing to resume in {root} yet; "
+                          f"run the same command again{kept}")
+        raise
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The whole run
 # ----------------------------------------------------------------------------------------------------------------
@@ -317,33 +335,35 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
     write_text_atomic(run.root / "config.yaml", dump_config(cfg))
     samples = run.root / "samples"
 
-    # 2-4. Sim videos, rewards, the pre-trained generator (each read back from the run folder when there) -----------
-    need_clips = not (run.root / PRETRAINED_DIR).exists() or (
-        "success" in cfg.rewards.names and not (run.root / SUCCESS_DIR / "config.json").exists()
-    )
-    clips = sim_clips(cfg, run, console) if need_clips else None
-    prompts = sorted(set(clips.prompts)) if clips is not None else state.get("prompts", [])
-    rewards = build_rewards(cfg, clips, run, console)
-    generator = pretrained_generator(cfg, clips, run, console)
+    # Ctrl-C before the first checkpoint: nothing to resume, but the stages done so far are kept and reused.
+    with interrupt_note_before_checkpoint(console, run.root, resuming=resume):
+        # 2-4. Sim videos, rewards, the pre-trained generator (each read back from the run folder when there) -------
+        need_clips = not (run.root / PRETRAINED_DIR).exists() or (
+            "success" in cfg.rewards.names and not (run.root / SUCCESS_DIR / "config.json").exists()
+        )
+        clips = sim_clips(cfg, run, console) if need_clips else None
+        prompts = sorted(set(clips.prompts)) if clips is not None else state.get("prompts", [])
+        rewards = build_rewards(cfg, clips, run, console)
+        generator = pretrained_generator(cfg, clips, run, console)
 
-    # 5. Post-training ---------------------------------------------------------------------------------------------
-    teacher, teacher_clips = teachers(cfg)
-    if teacher_clips is not None:
-        prompts = sorted(teacher_clips)  # AFD on a folder: the student learns the teacher's prompts
-    trainer = VideoTrainer(cfg, generator, rewards, prompts, teacher=teacher, teacher_clips=teacher_clips)
-    latest = state.get("latest_checkpoint")
-    if latest:
-        trainer.load(run.root / latest)
-        console.print(f"resumed {run.root} after {latest} (round {trainer.round})")
-    else:
-        with console.status("evaluating the pre-trained generator"):
-            record, videos = trainer.evaluate()
-        run.log({"kind": "eval", "stage": "before", "round": 0, **record})
-        shown, shown_prompts = trainer.showcase(videos, cfg.eval.videos)
-        write_grid(shown, samples / "before.png", prompts=shown_prompts, title="before post-training")
-        write_videos_mp4(shown, samples / "before.mp4")
-        state = {"round": 0, "prompts": prompts, "latest_checkpoint": None, "elapsed_s": time.time() - started}
-        run.save_state(state)
+        # 5. Post-training -----------------------------------------------------------------------------------------
+        teacher, teacher_clips = teachers(cfg)
+        if teacher_clips is not None:
+            prompts = sorted(teacher_clips)  # AFD on a folder: the student learns the teacher's prompts
+        trainer = VideoTrainer(cfg, generator, rewards, prompts, teacher=teacher, teacher_clips=teacher_clips)
+        latest = state.get("latest_checkpoint")
+        if latest:
+            trainer.load(run.root / latest)
+            console.print(f"resumed {run.root} after {latest} (round {trainer.round})")
+        elif not state:  # (a state without a checkpoint: stopped in round 1; the fresh trainer is that start)
+            with console.status("evaluating the pre-trained generator"):
+                record, videos = trainer.evaluate()
+            run.log({"kind": "eval", "stage": "before", "round": 0, **record})
+            shown, shown_prompts = trainer.showcase(videos, cfg.eval.videos)
+            write_grid(shown, samples / "before.png", prompts=shown_prompts, title="before post-training")
+            write_videos_mp4(shown, samples / "before.mp4")
+            state = {"round": 0, "prompts": prompts, "latest_checkpoint": None, "elapsed_s": time.time() - started}
+            run.save_state(state)
 
     t = cfg.train
     elapsed0 = state.get("elapsed_s", 0.0)
