@@ -179,3 +179,44 @@ def test_instruction_conditions_the_actions():
     model.eval()
     chunks = model.predict_action_chunk(batch)
     assert chunks[:4].mean() > 0.3 and chunks[4:].mean() < -0.3
+
+
+def test_aux_head_reads_perception_not_the_state():
+    """The privileged-position head must find objects in the images: with the state in its input it learned to read
+    the target off the arm's heading instead (DESIGN.md, pick_place)."""
+    torch.manual_seed(0)
+    batch = fake_batch()
+    moved = {**batch, "observation.state": batch["observation.state"] + 3.0}
+    batch["aux_target"] = moved["aux_target"] = torch.randn(6, 5)
+    perceiving = VLAPolicy(tiny_config(aux_dim=5)).eval()
+    torch.testing.assert_close(perceiving.aux_loss(batch, perceiving.encode(batch)[1]), perceiving.aux_loss(moved, perceiving.encode(moved)[1]))
+    assert not torch.allclose(perceiving.features(batch), perceiving.features(moved))  # the actions still see the state
+    fused = VLAPolicy(tiny_config(aux_dim=5, aux_input="fused")).eval()
+    assert not torch.allclose(fused.aux_loss(batch, fused.encode(batch)[1]), fused.aux_loss(moved, fused.encode(moved)[1]))
+
+
+def test_state_dropout_hides_the_pose_in_training_only():
+    torch.manual_seed(0)
+    model = VLAPolicy(tiny_config(state_dropout=0.9))
+    batch = fake_batch(B=64)
+    moved = {**batch, "observation.state": batch["observation.state"].clone()}
+    moved["observation.state"][:, :7] += 2.0  # another end-effector pose, the same gripper
+    model.train()
+    torch.manual_seed(1)
+    a = model.features(batch)
+    torch.manual_seed(1)
+    b = model.features(moved)
+    same = torch.isclose(a, b).all(dim=1)
+    assert 0.75 < same.float().mean() < 1.0  # ~90 % of the samples had their pose hidden, the rest did not
+    model.eval()
+    assert not torch.isclose(model.features(batch), model.features(moved)).all(dim=1).any()
+    with pytest.raises(ValueError, match="state_dropout must be in"):
+        tiny_config(state_dropout=1.0)
+
+
+def test_checkpoints_from_before_aux_input_keep_the_fused_aux_head(tmp_path):
+    VLAPolicy(tiny_config(aux_dim=5, aux_input="fused")).save_pretrained(str(tmp_path / "old"))
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    del config["aux_input"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    assert VLAPolicy.from_pretrained(str(tmp_path / "old")).config.aux_input == "fused"

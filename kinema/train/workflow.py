@@ -186,10 +186,10 @@ def actor_updates(
         if n_replay:
             parts.append(replay.batch(rng.choice(len(replay), n_replay, p=probs), policy.config.chunk_size))
         batch = _concat_batches(parts)
-        context = policy.features(batch)
+        context, aux_features = policy.encode(batch)
         loss = policy.flow_loss(batch, context=context).mean()
         if aux_weight and "aux_target" in batch:
-            loss = loss + aux_weight * policy.aux_loss(batch, context).mean()
+            loss = loss + aux_weight * policy.aux_loss(batch, aux_features).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -305,8 +305,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         n_action_steps=cfg.policy.n_action_steps, num_flow_steps=cfg.policy.num_flow_steps, aux_dim=aux_dim,
         backbone_path=cfg.policy.backbone_path, backbone_layers=cfg.policy.backbone_layers,
         backbone_image_size=cfg.policy.backbone_image_size, lora_rank=cfg.policy.lora_rank,
-        freeze_vision=cfg.policy.freeze_vision,
-        extra={"tasks": [cfg.task]},
+        freeze_vision=cfg.policy.freeze_vision, aux_input=cfg.policy.aux_input, state_dropout=cfg.policy.state_dropout,
+        augment_shift=cfg.policy.augment_shift, extra={"tasks": [cfg.task]},
     )  # fmt: skip
     policy = VLAPolicy(vla_config)
     policy.set_normalization(demo_buffer.stats())

@@ -38,6 +38,11 @@ class VLAConfig:
     expert_layers: int = 3
     aux_dim: int = 0  # size of the privileged auxiliary target (object positions), 0 disables the aux head
     aux_weight: float = 1.0  # weight of the auxiliary loss against the flow loss in SFT
+    # What the aux head reads. "perception": camera + instruction features only. "fused": the fused feature, which
+    # includes the proprio state: the head then learned to read the target off the arm's heading (the expert goes
+    # straight for it) and never localised cubes (pick_place: 12 cm target error on fresh layouts, 5 % success).
+    aux_input: str = "perception"
+    state_dropout: float = 0.0  # training only: per-sample probability of zeroing the normalised EE pose (state[:7])
     augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables
     lora_rank: int = 8  # LoRA rank when the backbone is a pretrained VLM (0: backbone fully frozen, heads only)
     # --- backbone "smolvlm" only (ignored by "tiny"; see policies/vla/smolvlm.py) ---
@@ -65,6 +70,10 @@ class VLAConfig:
             raise ValueError(
                 f"VLAConfig.time_distribution must be 'beta', 'uniform' or 'logit_normal'; got {self.time_distribution!r}"
             )
+        if self.aux_input not in ("perception", "fused"):
+            raise ValueError(f"VLAConfig.aux_input must be 'perception' or 'fused'; got {self.aux_input!r}")
+        if not 0.0 <= self.state_dropout < 1.0:
+            raise ValueError(f"VLAConfig.state_dropout must be in [0, 1); got {self.state_dropout}")
         if not self.cameras:
             raise ValueError("VLAConfig.cameras must name at least one camera")
         if self.num_flow_steps < 1:
@@ -103,6 +112,8 @@ class VLAConfig:
                 f"checkpoint format_version {version} is not supported (this kinema reads {FORMAT_VERSION}); "
                 "re-export it with the kinema version that wrote it"
             )
+        # Checkpoints written before `aux_input` existed fed the aux head the fused feature.
+        data.setdefault("aux_input", "fused")
         valid = {f.name for f in fields(cls)}
         unknown = set(data) - valid
         if unknown:
@@ -112,6 +123,6 @@ class VLAConfig:
     ARCHITECTURE_FIELDS = (
         "backbone", "cameras", "image_size", "state_dim", "action_dim", "chunk_size", "vision_channels", "vision_dim",
         "text_dim", "text_layers", "max_words", "ngram_buckets", "state_hidden", "hidden_dim", "expert_hidden",
-        "expert_layers", "aux_dim", "lora_rank", "backbone_layers", "backbone_image_size", "lora_alpha", "lora_targets",
+        "expert_layers", "aux_dim", "aux_input", "lora_rank", "backbone_layers", "backbone_image_size", "lora_alpha", "lora_targets",
         "freeze_vision", "max_text_tokens", "pool_queries",
     )  # fmt: skip

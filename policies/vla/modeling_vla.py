@@ -146,8 +146,11 @@ class VLAPolicy(nn.Module):
                 nn.Linear(fused, config.hidden_dim), nn.GELU(), nn.Linear(config.hidden_dim, config.hidden_dim), nn.GELU()
             )
         self.expert = ActionExpert(config)
+        aux_in = config.hidden_dim
+        if self.prefix is None and config.aux_input == "perception":
+            aux_in = config.vision_dim * len(config.cameras) + config.text_dim
         self.aux_head = (
-            nn.Sequential(nn.Linear(config.hidden_dim, config.hidden_dim), nn.GELU(), nn.Linear(config.hidden_dim, config.aux_dim))
+            nn.Sequential(nn.Linear(aux_in, config.hidden_dim), nn.GELU(), nn.Linear(config.hidden_dim, config.aux_dim))
             if config.aux_dim
             else None
         )
@@ -188,13 +191,27 @@ class VLAPolicy(nn.Module):
 
     def features(self, batch: Mapping[str, Any]) -> Tensor:
         """The fused observation feature (B, hidden_dim): what the action expert, the critics and the success model read."""
+        return self.encode(batch)[0]
+
+    def encode(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
+        """(fused feature, what the aux head reads): the camera + instruction features without the state
+        (`aux_input="perception"`), or the fused feature itself ("fused", and always with a VLM prefix)."""
         state = (torch.as_tensor(batch["observation.state"], device=self.device, dtype=torch.float32) - self.state_mean) / self.state_std
+        if self.training and self.config.state_dropout:
+            # Hide the end-effector pose (keep the gripper): the action head must find the target in the images
+            # instead of continuing the arm's current heading.
+            drop = torch.rand(state.shape[0], 1, device=self.device) < self.config.state_dropout
+            pose = torch.zeros_like(state, dtype=torch.bool)
+            pose[:, : min(7, state.shape[1] - 1)] = True
+            state = state.masked_fill(drop & pose, 0.0)
         if self.prefix is not None:
-            return self.prefix([self._image(batch, cam) for cam in self.config.cameras], list(batch["task"]), state)
+            context = self.prefix([self._image(batch, cam) for cam in self.config.cameras], list(batch["task"]), state)
+            return context, context
         ids, mask = self.tokenizer(list(batch["task"]), self.device)
         _, text = self.text(ids, mask)
-        parts = [self.vision[cam](self._image(batch, cam), text) for cam in self.config.cameras]
-        return self.fuse(torch.cat([*parts, text, self.state_mlp(state)], dim=-1))
+        perception = torch.cat([*(self.vision[cam](self._image(batch, cam), text) for cam in self.config.cameras), text], dim=-1)
+        context = self.fuse(torch.cat([perception, self.state_mlp(state)], dim=-1))
+        return context, (perception if self.config.aux_input == "perception" else context)
 
     # ----- training ------------------------------------------------------------------------------------------------
     def flow_loss(
@@ -224,12 +241,13 @@ class VLAPolicy(nn.Module):
         mask = None if pad is None else ~torch.as_tensor(pad, device=self.device)
         return flow_matching_loss(v, target, weights=weights, mask=mask)
 
-    def aux_loss(self, batch: Mapping[str, Any], context: Tensor) -> Tensor:
-        """Per-sample MSE (B,) of the privileged-position head, on normalised targets."""
+    def aux_loss(self, batch: Mapping[str, Any], aux_features: Tensor) -> Tensor:
+        """Per-sample MSE (B,) of the privileged-position head on normalised targets; `aux_features` is
+        `encode(batch)[1]`."""
         if self.aux_head is None or "aux_target" not in batch:
-            return torch.zeros(context.shape[0], device=self.device)
+            return torch.zeros(aux_features.shape[0], device=self.device)
         target = (torch.as_tensor(batch["aux_target"], device=self.device) - self.aux_mean) / self.aux_std
-        return (self.aux_head(context) - target).pow(2).mean(-1)
+        return (self.aux_head(aux_features) - target).pow(2).mean(-1)
 
     # ----- inference -------------------------------------------------------------------------------------------------
     @torch.no_grad()
