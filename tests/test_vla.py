@@ -182,13 +182,13 @@ def test_instruction_conditions_the_actions():
 
 
 def test_aux_head_reads_perception_not_the_state():
-    """The privileged-position head must find objects in the images: with the state in its input it learned to read
-    the target off the arm's heading instead (DESIGN.md, pick_place)."""
+    """aux_input="perception": the privileged-position head must find objects in the images (with the state in its
+    input it learned to read the target off the arm's heading instead, on pick_place)."""
     torch.manual_seed(0)
     batch = fake_batch()
     moved = {**batch, "observation.state": batch["observation.state"] + 3.0}
     batch["aux_target"] = moved["aux_target"] = torch.randn(6, 5)
-    perceiving = VLAPolicy(tiny_config(aux_dim=5)).eval()
+    perceiving = VLAPolicy(tiny_config(aux_dim=5, aux_input="perception")).eval()
     torch.testing.assert_close(perceiving.aux_loss(batch, perceiving.encode(batch)[1]), perceiving.aux_loss(moved, perceiving.encode(moved)[1]))
     assert not torch.allclose(perceiving.features(batch), perceiving.features(moved))  # the actions still see the state
     fused = VLAPolicy(tiny_config(aux_dim=5, aux_input="fused")).eval()

@@ -92,7 +92,7 @@ class PolicyOptions:
     backbone_image_size: int = 0  # side its vision tower sees; 0: native (512 for SmolVLM); smaller is much cheaper on CPU
     lora_rank: int = 8  # LoRA rank on the backbone's text model (0: frozen backbone, heads only)
     freeze_vision: bool = True  # False: LoRA on the vision tower too
-    aux_input: str = "perception"  # what the privileged-position head reads: "perception" (images + text) | "fused" (+ state)
+    aux_input: str = "fused"  # what the privileged-position head reads: "fused" (+ state) | "perception" (images + text only)
     state_dropout: float = 0.0  # probability of hiding the end-effector pose from the policy per training sample
     augment_shift: int = 4  # random-shift augmentation in training (pixels); 0 disables
     ema_decay: float = 0.995  # the acting/evaluated policy is an EMA of the trained weights (0: no average)
