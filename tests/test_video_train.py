@@ -498,7 +498,7 @@ def test_workflow_resume_after_a_kill_and_ctrl_c_between_rounds(tmp_path: Path, 
 
 
 def test_ctrl_c_during_pretraining_says_so_and_the_same_command_reuses_what_was_saved(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ):
     import io
     import os
@@ -523,6 +523,10 @@ def test_ctrl_c_during_pretraining_says_so_and_the_same_command_reuses_what_was_
         return real_pretrain(gen, *args, on_step=step, **kw)
 
     monkeypatch.setattr(workflow, "pretrain", ctrl_c_at_step_1)
+    # A terminal's Ctrl-C: Python's default handler. (A shell starts background jobs with SIGINT ignored, and
+    # Python then installs no handler: CI launched with `&` would otherwise never see the KeyboardInterrupt.)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     out = io.StringIO()
     cfg = _workflow_cfg(run, "--pretrain.steps", "5", "--train.rounds", "1")
     with pytest.raises(KeyboardInterrupt):
