@@ -140,7 +140,7 @@ def awr_step_weights(
     for ep in episodes:
         out.append(w[start : start + len(ep)].numpy())
         start += len(ep)
-    return out, {"awr/value_loss": float(loss), "awr/adv_std": float(adv.std())}
+    return out, {"awr/value_loss": float(loss.detach()), "awr/adv_std": float(adv.std())}
 
 
 def refit_success_model(
