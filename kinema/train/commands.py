@@ -8,22 +8,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kinema.train.config import load_config
+from kinema.train.config import load_run_config
 
 
 def train_command(args: argparse.Namespace, overrides: list[str]) -> int:
     from kinema.train.workflow import train
 
-    if args.resume:
-        run_dir = Path(args.resume)
-        saved = run_dir / "config.yaml"
-        if not saved.is_file():
-            raise FileNotFoundError(f"{run_dir} is not a kinema run folder (no config.yaml)")
-        cfg = load_config(str(saved), overrides + ["--out", str(run_dir)])
-        train(cfg, resume=True)
-        return 0
-    cfg = load_config(args.config, overrides)
-    train(cfg)
+    train(load_run_config(args.config, overrides, args.resume), resume=bool(args.resume))
     return 0
 
 

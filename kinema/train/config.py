@@ -166,6 +166,19 @@ def resolve_config_path(name: str) -> Path:
     raise FileNotFoundError(f"config file {name} does not exist; shipped configs: {', '.join(names)}")
 
 
+def load_run_config(
+    config_path: str | None, overrides: list[str], resume: str | None, *, config_class: type[T] = TrainConfig
+) -> T:
+    """The config of a fresh run (`config_path` + overrides), or, with `resume`, the run folder's own config.yaml
+    (+ overrides, `out` pinned to that folder): what `--resume RUN_DIR` continues."""
+    if not resume:
+        return load_config(config_path, overrides, config_class=config_class)
+    saved = Path(resume) / "config.yaml"
+    if not saved.is_file():
+        raise FileNotFoundError(f"{resume} is not a kinema run folder (no config.yaml)")
+    return load_config(str(saved), [*overrides, "--out", str(resume)], config_class=config_class)
+
+
 def load_config(
     config_path: str | None = None, overrides: list[str] | None = None, *, config_class: type[T] = TrainConfig
 ) -> T:

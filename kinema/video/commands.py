@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 
 def add_video_commands(sub: argparse._SubParsersAction) -> None:
@@ -27,20 +26,12 @@ def add_video_commands(sub: argparse._SubParsersAction) -> None:
 
 def run_video_command(args: argparse.Namespace, extra: list[str]) -> int:
     """Run a `kinema video` subcommand; `extra` holds the dotted config overrides."""
-    from kinema.video.config import load_video_config
+    from kinema.train.config import load_run_config
+    from kinema.video.config import VideoTrainConfig
     from kinema.video.workflow import train_video
 
     if args.video_command != "train":
         raise ValueError(f"unknown video command {args.video_command!r}; valid: train")
-    if args.resume:
-        run_dir = Path(args.resume)
-        saved = run_dir / "config.yaml"
-        if not saved.is_file():
-            raise FileNotFoundError(f"{run_dir} is not a kinema video run folder (no config.yaml)")
-        cfg = load_video_config(str(saved), extra + ["--out", str(run_dir)])
-        train_video(cfg, resume=True)
-        return 0
-    cfg = load_video_config(args.config, extra)
-    train_video(cfg)
+    train_video(load_run_config(args.config, extra, args.resume, config_class=VideoTrainConfig), resume=bool(args.resume))
     return 0
 
