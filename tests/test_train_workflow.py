@@ -109,3 +109,55 @@ def test_shipped_configs_load_by_name():
     assert cfg.rl.interventions and cfg.task == "drawer"
     with pytest.raises(FileNotFoundError, match="shipped configs: drawer_habc, drawer_habc_hil"):
         load_config("drawer_hbc")
+
+
+def _steps_episode(T: int, task: str) -> "Episode":
+    from diffusion_rl.data import Episode
+
+    rng = np.random.default_rng(T)
+    return Episode(
+        observations={
+            "observation.state": rng.normal(size=(T, 8)).astype(np.float32),
+            "observation.images.agentview": rng.integers(0, 255, (T, 32, 32, 3), np.uint8),
+            "observation.images.wrist": rng.integers(0, 255, (T, 32, 32, 3), np.uint8),
+        },
+        action=rng.uniform(-1, 1, (T, 7)).astype(np.float32),
+        task=task,
+        outcome=True,
+    )
+
+
+@pytest.mark.parametrize("mixing, expected_share", [("fixed", 0.25), ("pooled", 5 / 45)])
+def test_actor_replay_mixing_fixed_share_or_pooled_by_weight(mixing, expected_share):
+    """fixed: demo_fraction of each minibatch is demos. pooled (HABC's loss over demos ∪ rollouts): a demo step counts 1
+    and a replay step its weight, so 40 demo steps and replay weights summing to 5 give a replay share of 5/45; a
+    zero-weight replay step is never drawn."""
+    import torch
+
+    from kinema.train.buffer import StepBuffer
+    from kinema.train.workflow import actor_updates
+    from policies.vla import VLAConfig
+
+    torch.manual_seed(0)
+    demos = StepBuffer.from_episodes([_steps_episode(40, "open the drawer")], ("agentview", "wrist"))
+    replay = StepBuffer.from_episodes([_steps_episode(10, "open the drawer")], ("agentview", "wrist"))
+    weights = np.array([2.0, 1.0, 1.0, 0.5, 0.5, 0, 0, 0, 0, 0], np.float32)
+    drawn: list[int] = []
+    real_batch = replay.batch
+    replay.batch = lambda index, *a, **k: (drawn.extend(index.tolist()), real_batch(index, *a, **k))[1]
+    policy = VLAPolicy(VLAConfig(image_size=32, chunk_size=4, n_action_steps=2, num_flow_steps=2))
+    policy.set_normalization(demos.stats())
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    stats = actor_updates(policy, optimizer, steps=60, batch_size=16, demos=demos, replay=replay, replay_weights=weights,
+                          demo_fraction=0.75, aux_weight=0.0, rng=np.random.default_rng(0), mixing=mixing)
+    assert stats["actor/replay_share"] == pytest.approx(expected_share, abs=0.04)
+    assert len(drawn) == pytest.approx(expected_share * 60 * 16, abs=0.04 * 60 * 16)
+    assert set(drawn) <= {0, 1, 2, 3, 4}
+    with pytest.raises(ValueError, match="replay mixing must be one of"):
+        actor_updates(policy, optimizer, steps=1, batch_size=4, demos=demos, replay=replay, replay_weights=weights,
+                      demo_fraction=0.5, aux_weight=0.0, rng=np.random.default_rng(0), mixing="sometimes")
+
+
+def test_unknown_replay_mixing_is_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match="rl.replay_mixing 'sometimes' is not known; valid: fixed, pooled"):
+        load_config(None, ["--rl.replay_mixing", "sometimes"])

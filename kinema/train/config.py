@@ -18,6 +18,7 @@ import yaml
 from kinema.paths import assets_dir
 
 RL_METHODS = ("habc", "sft_continued", "awr", "flow_ppo", "none")
+REPLAY_MIXING = ("fixed", "pooled")
 
 
 T = TypeVar("T")
@@ -59,7 +60,8 @@ class RLConfig:
     updates_per_round: int = 600  # actor gradient steps per round
     batch_size: int = 64
     lr: float = 1e-4
-    demo_fraction: float = 0.5  # share of each actor minibatch drawn from the demonstrations
+    demo_fraction: float = 0.5  # replay_mixing fixed: share of each actor minibatch drawn from the demonstrations
+    replay_mixing: str = "fixed"  # fixed (demo_fraction) | pooled: demos and weighted replay in one pool (HABC's loss)
     replay_rounds: int = 3  # rollouts of this many recent rounds are kept
     interventions: bool = False  # a simulated human monitors the policy and takes over before failures
     awr_temperature: float = 1.0  # single-critic AWR baseline: w = exp(A / temperature), clipped
@@ -122,6 +124,8 @@ class TrainConfig:
             raise ValueError(
                 f"rl.habc.gate {self.rl.habc.gate!r} is not known; valid: paper, fixed_mix, viability_only, efficiency_only, exp"
             )
+        if self.rl.replay_mixing not in REPLAY_MIXING:
+            raise ValueError(f"rl.replay_mixing {self.rl.replay_mixing!r} is not known; valid: {', '.join(REPLAY_MIXING)}")
         if not 0.0 <= self.rl.demo_fraction <= 1.0:
             raise ValueError(f"rl.demo_fraction must be in [0, 1]; got {self.rl.demo_fraction}")
         for name, value in (("sft.steps", self.sft.steps), ("rl.rounds", self.rl.rounds), ("eval.episodes", self.eval.episodes)):

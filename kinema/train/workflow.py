@@ -32,7 +32,7 @@ from diffusion_rl.data.lerobot_v3 import read_episodes, write_episodes
 from diffusion_rl.habc import HABCConfig
 from kinema.sim_commands import progress_bar
 from kinema.train.buffer import StepBuffer
-from kinema.train.config import TrainConfig, dump_config
+from kinema.train.config import REPLAY_MIXING, TrainConfig, dump_config
 from kinema.train.credit import CriticState, awr_step_weights, habc_step_weights, refit_success_model
 from kinema.train.evaluate import ChunkPolicy, EvalResult, evaluate, summarize
 from kinema.train.ppo import flow_grpo_updates
@@ -170,19 +170,38 @@ def actor_updates(
     demo_fraction: float,
     aux_weight: float,
     rng: np.random.Generator,
+    mixing: str = "fixed",
     on_step=None,
 ) -> dict[str, float]:
-    """Flow-matching updates on a mix of demonstrations (weight 1) and replay steps drawn ∝ their credit weight."""
+    """Flow-matching updates on a mix of demonstrations (weight 1) and replay steps drawn ∝ their credit weight.
+
+    mixing "fixed": `demo_fraction` of every minibatch comes from the demonstrations. "pooled" (HABC's weighted
+    loss over demos ∪ rollouts): demos and replay steps form one pool, a demo step counting 1 and a replay step its
+    weight (the credit rules normalise kept weights to mean 1), so the replay share is W / (N_demo + W) and a
+    handful of successes is not oversampled to half of every batch.
+    """
     use_replay = replay is not None and replay_weights is not None and replay_weights.sum() > 0
-    n_replay = 0 if not use_replay else int(round(batch_size * (1.0 - demo_fraction)))
-    probs = replay_weights / replay_weights.sum() if use_replay else None
     imitable = demos.imitable_index()
     if not len(imitable):
         raise ValueError("no demonstration step to imitate: every step is labelled idle or failure-inducing")
-    losses = []
+    if mixing not in REPLAY_MIXING:
+        raise ValueError(f"replay mixing must be one of {REPLAY_MIXING}; got {mixing!r}")
+    if not use_replay:
+        replay_share = 0.0
+    elif mixing == "pooled":
+        replay_share = float(replay_weights.sum()) / (len(imitable) + float(replay_weights.sum()))
+    else:
+        replay_share = 1.0 - demo_fraction
+    probs = replay_weights / replay_weights.sum() if use_replay else None
+    losses, n_replay_total = [], 0
     policy.train()
     for _ in range(steps):
-        parts = [demos.batch(rng.choice(imitable, batch_size - n_replay), policy.config.chunk_size)]
+        if mixing == "pooled":
+            n_replay = int(rng.binomial(batch_size, replay_share))
+        else:
+            n_replay = int(round(batch_size * replay_share))
+        n_replay_total += n_replay
+        parts = [demos.batch(rng.choice(imitable, batch_size - n_replay), policy.config.chunk_size)] if n_replay < batch_size else []
         if n_replay:
             parts.append(replay.batch(rng.choice(len(replay), n_replay, p=probs), policy.config.chunk_size))
         batch = _concat_batches(parts)
@@ -197,7 +216,10 @@ def actor_updates(
         losses.append(float(loss.detach()))
         if on_step is not None:
             on_step()
-    return {"actor/loss": float(np.mean(losses)) if losses else float("nan"), "actor/replay_share": n_replay / batch_size}
+    return {
+        "actor/loss": float(np.mean(losses)) if losses else float("nan"),
+        "actor/replay_share": n_replay_total / (batch_size * steps) if steps else replay_share,
+    }
 
 
 def _concat_batches(parts: Sequence[dict]) -> dict:
@@ -438,7 +460,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     stats = actor_updates(
                         policy, optimizer, steps=cfg.rl.updates_per_round, batch_size=cfg.rl.batch_size, demos=demo_buffer,
                         replay=replay_buffer, replay_weights=weights, demo_fraction=cfg.rl.demo_fraction, aux_weight=0.0,
-                        rng=rng, on_step=lambda: (ema_update(acting, policy, decay) if decay else None, bar.update(job, advance=1)),
+                        rng=rng, mixing=cfg.rl.replay_mixing, on_step=lambda: (ema_update(acting, policy, decay) if decay else None, bar.update(job, advance=1)),
                     )  # fmt: skip
                 actor_step += cfg.rl.updates_per_round
                 record.update(stats)
