@@ -70,3 +70,27 @@ def test_grpo_update_uses_only_informative_groups():
     chunks = sum(1 for (s, _) in runner.records if s in group)
     assert len(group) == 2 and stats["ppo/samples"] == chunks * 3  # K - 1 = 3 stochastic steps per chunk
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+
+
+def test_target_kl_stops_the_rounds_updates_once_the_policy_has_moved():
+    """With target_kl, the round ends at the first minibatch whose approximate KL passes 1.5 x target_kl; without
+    it every minibatch of every epoch is used."""
+    policy = tiny_policy()
+    runner = ChunkPolicy(policy, sde_noise=0.5)
+    vector = make_vector("push", 2, image_size=32, config={"horizon": 8})
+    serials: list[int] = []
+    episodes = collect(vector, runner, [0, 0], task_id="push", serials=serials)
+    episodes[0].outcome = True
+    state = {k: v.clone() for k, v in policy.state_dict().items()}
+    kwargs = dict(epochs=2, batch_size=2, clip_range=0.2, noise_level=0.5)
+
+    def run(target_kl: float) -> dict:
+        policy.load_state_dict(state)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)  # large steps: the KL passes any small target
+        return flow_grpo_updates(policy, optimizer, episodes, serials, runner.records, rng=np.random.default_rng(0),
+                                 target_kl=target_kl, **kwargs)
+
+    full = run(0.0)
+    assert full["ppo/updates"] == 2 * -(-full["ppo/samples"] // 2)  # every minibatch of both epochs
+    stopped = run(1e-6)
+    assert 1 <= stopped["ppo/updates"] < full["ppo/updates"]

@@ -454,6 +454,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     stats = flow_grpo_updates(
                         policy, optimizer, new, serials, runner.records, epochs=cfg.rl.ppo_epochs,
                         batch_size=cfg.rl.batch_size, clip_range=cfg.rl.ppo_clip, noise_level=cfg.rl.ppo_noise_level, rng=rng,
+                        target_kl=cfg.rl.ppo_target_kl,
                     )  # fmt: skip
                     bar.update(job, advance=cfg.rl.updates_per_round)
                 else:
