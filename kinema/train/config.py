@@ -70,6 +70,7 @@ class RLConfig:
     ppo_noise_level: float = 0.5  # flow_ppo: Flow-SDE noise level a (σ_t = a·sqrt(t / (1 − t)))
     ppo_epochs: int = 2
     ppo_target_kl: float = 0.0  # flow_ppo: stop a round's updates once the approximate KL passes 1.5x this (0: off)
+    ppo_kl_weight: float = 0.0  # flow_ppo: Flow-GRPO's beta, KL of the SDE steps to the starting (SFT) policy (0: off)
     success_model: bool = True  # refit the eVTA_0 success-probability model every round (RLER) and log calibration
     habc: HABCOptions = field(default_factory=HABCOptions)
 

@@ -16,7 +16,7 @@ import torch
 
 from diffusion_rl.advantages import grpo_advantages
 from diffusion_rl.data import Episode
-from diffusion_rl.flow import ppo_clip_loss
+from diffusion_rl.flow import ppo_clip_loss, sde_kl_loss
 
 
 def flow_grpo_updates(
@@ -32,6 +32,8 @@ def flow_grpo_updates(
     noise_level: float,
     rng: np.random.Generator,
     target_kl: float = 0.0,
+    reference: Any = None,
+    kl_weight: float = 0.0,
     on_step=None,
 ) -> dict[str, float]:
     """PPO epochs over every recorded stochastic denoising step of the episodes' chunks.
@@ -40,7 +42,12 @@ def flow_grpo_updates(
     1.5 × target_kl (the early stop of stable-baselines3 / CleanRL's `target_kl`). Without it the tiny VLA moved
     0.3–2.9 nats per log-prob element in a round and collapsed to 0 % success by round 4 (drawer and pick_place,
     2026-11-30).
+    kl_weight > 0 (with `reference`, the frozen starting policy): Flow-GRPO's β·KL between the current and the
+    reference policy's SDE steps at the recorded states, an anchor on the cumulative drift that the per-round
+    trust region does not bound.
     """
+    if kl_weight > 0 and reference is None:
+        raise ValueError("kl_weight > 0 needs the reference policy")
     # 1. GRPO advantages per episode, from the sparse outcome, within groups of episodes sharing a seed.
     if len(serials) != len(episodes):
         raise ValueError(f"need one serial per episode; got {len(serials)} for {len(episodes)} episodes")
@@ -55,7 +62,7 @@ def flow_grpo_updates(
         if a != 0.0:
             for k in range(rec["log_prob"].shape[0] - 1):  # the last denoising step is deterministic (no log-prob)
                 samples.append((rec, k, a))
-    stats: dict[str, list[float]] = {"loss": [], "approx_kl": [], "clipfrac": []}
+    stats: dict[str, list[float]] = {"loss": [], "approx_kl": [], "clipfrac": [], "kl_to_reference": []}
     # Eval mode: the log-prob must be re-evaluated on the very inputs of the rollout (no image augmentation),
     # so that the ratio is exactly 1 before the first update. Gradients flow all the same.
     policy.eval()
@@ -69,6 +76,12 @@ def flow_grpo_updates(
             batch = _stack(chosen)
             step = policy.sde_log_prob(batch, noise_level=noise_level)
             loss, ppo = ppo_clip_loss(step.log_prob, batch["old_log_prob"], batch["advantage"], clip_range=clip_range)
+            if kl_weight > 0:
+                with torch.no_grad():
+                    ref = reference.sde_log_prob(batch, noise_level=noise_level)
+                kl = sde_kl_loss(step.mean, ref.mean, step.std_dev_t)
+                loss = loss + kl_weight * kl
+                stats["kl_to_reference"].append(float(kl.mean().detach()))
             optimizer.zero_grad(set_to_none=True)
             loss.mean().backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -82,7 +95,7 @@ def flow_grpo_updates(
                 stopped_early = True
                 break
     policy.train()
-    out = {f"ppo/{k}": float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
+    out = {f"ppo/{k}": float(np.mean(v)) if v else float("nan") for k, v in stats.items() if v or k != "kl_to_reference"}
     out["ppo/samples"] = len(samples)
     out["ppo/updates"] = len(stats["loss"])
     out.update({f"grpo/{k}": float(v) for k, v in adv.stats.items()})

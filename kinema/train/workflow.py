@@ -391,6 +391,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     # 4. RL rounds -----------------------------------------------------------------------------------------------------
     method = cfg.rl.method
     rounds = 0 if method == "none" else cfg.rl.rounds
+    # Flow-GRPO's KL anchor: the starting policy, as saved before the first round (also there after a resume).
+    reference = None
+    if method == "flow_ppo" and cfg.rl.ppo_kl_weight > 0:
+        reference = VLAPolicy.from_pretrained(str(run.root / "checkpoints" / "sft")).requires_grad_(False).eval()
     replay: list[list[Episode]] = [
         read_episodes(run.root / "rollouts" / f"round-{r:03d}")
         for r in range(max(1, start_round - cfg.rl.replay_rounds), start_round)
@@ -454,7 +458,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     stats = flow_grpo_updates(
                         policy, optimizer, new, serials, runner.records, epochs=cfg.rl.ppo_epochs,
                         batch_size=cfg.rl.batch_size, clip_range=cfg.rl.ppo_clip, noise_level=cfg.rl.ppo_noise_level, rng=rng,
-                        target_kl=cfg.rl.ppo_target_kl,
+                        target_kl=cfg.rl.ppo_target_kl, reference=reference, kl_weight=cfg.rl.ppo_kl_weight,
                     )  # fmt: skip
                     bar.update(job, advance=cfg.rl.updates_per_round)
                 else:
