@@ -146,7 +146,14 @@ def awr_step_weights(
 def refit_success_model(
     critics: CriticState, episodes: Sequence[Episode], features: Sequence[Tensor], *, steps: int = 200
 ) -> dict[str, float]:
-    """RLER: score the new rollouts with the current model (calibration), then refit it on them (TD targets)."""
+    """RLER: score the new rollouts with the current model (calibration), then refit it on them (TD targets).
+
+    `success_model/brier` beside `brier_base_rate` (the Brier score of always guessing the rollouts' own success rate)
+    says whether the model knows more than the base rate. Measured on push and pick_place (2026-11-30): it did not
+    (0.18–0.22 against 0.13–0.19): fitted for 200 steps on one round's 48 rollouts, the TD head memorised them
+    (loss 0.001) while its bootstrapped targets had barely propagated from the terminal steps. HABC's weights do not
+    use it; the video generator's success reward trains its own on far more labelled clips.
+    """
     autonomous = [i for i, ep in enumerate(episodes) if not (ep.executed_by == ExecutedBy.HUMAN).any()]
     if not autonomous:
         return {}
@@ -156,8 +163,11 @@ def refit_success_model(
     outcome = torch.cat([torch.full((len(episodes[i]),), float(episodes[i].outcome)) for i in autonomous])
     with torch.no_grad():
         p = torch.sigmoid(critics.success(x))
+    y = outcome[terminal]
+    base_rate_brier = float(y.mean() * (1 - y.mean()))  # the best constant guess, in hindsight
     metrics = {
-        "success_model/brier": float(brier_score(p[terminal], outcome[terminal])),
+        "success_model/brier": float(brier_score(p[terminal], y)),
+        "success_model/brier_base_rate": base_rate_brier,
         "success_model/ece": float(expected_calibration_error(p, outcome)),
     }
     batch = {"x": x, "x_next": x_next, "outcome": outcome, "terminal": terminal}
