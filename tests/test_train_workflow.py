@@ -161,3 +161,18 @@ def test_actor_replay_mixing_fixed_share_or_pooled_by_weight(mixing, expected_sh
 def test_unknown_replay_mixing_is_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match="rl.replay_mixing 'sometimes' is not known; valid: fixed, pooled"):
         load_config(None, ["--rl.replay_mixing", "sometimes"])
+
+
+@pytest.mark.slow
+def test_flow_ppo_runs_and_resumes_with_its_reference(tmp_path: Path):
+    """The Flow-SDE PPO arm end to end: GRPO groups, the KL anchor read back from checkpoints/sft after a resume."""
+    run = tmp_path / "run"
+    args = ["--rl.method", "flow_ppo", "--rl.group_size", "3", "--eval.heldout", "false", "--eval.videos", "0"]
+    first = kinema("train", *TINY, *args, "--rl.rounds", "1", "--out", str(run))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = kinema("train", "--resume", str(run), "--rl.rounds", "2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in records if r["kind"] == "round"]
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert all({"ppo/updates", "grpo/n_groups"} <= set(r) and r["grpo/n_groups"] == 1.0 for r in rounds)
