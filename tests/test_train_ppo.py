@@ -73,15 +73,21 @@ def test_grpo_update_uses_only_informative_groups():
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
-def test_target_kl_stops_the_rounds_updates_once_the_policy_has_moved():
-    """With target_kl, the round ends at the first minibatch whose approximate KL passes 1.5 x target_kl; without
-    it every minibatch of every epoch is used."""
+def one_informative_group():
+    """Two push rollouts of one seed, one of them marked successful: a GRPO group with a signal."""
     policy = tiny_policy()
     runner = ChunkPolicy(policy, sde_noise=0.5)
     vector = make_vector("push", 2, image_size=32, config={"horizon": 8})
     serials: list[int] = []
     episodes = collect(vector, runner, [0, 0], task_id="push", serials=serials)
     episodes[0].outcome = True
+    return policy, runner, episodes, serials
+
+
+def test_target_kl_stops_the_rounds_updates_once_the_policy_has_moved():
+    """With target_kl, the round ends at the first minibatch whose approximate KL passes 1.5 x target_kl; without
+    it every minibatch of every epoch is used."""
+    policy, runner, episodes, serials = one_informative_group()
     state = {k: v.clone() for k, v in policy.state_dict().items()}
     kwargs = dict(epochs=2, batch_size=2, clip_range=0.2, noise_level=0.5)
 
@@ -100,12 +106,7 @@ def test_target_kl_stops_the_rounds_updates_once_the_policy_has_moved():
 def test_kl_to_the_reference_anchors_the_update():
     """Flow-GRPO's β·KL to the frozen reference: logged once the policy has moved, and with a large β the update
     stays nearer the reference than without (same data, same steps)."""
-    policy = tiny_policy()
-    runner = ChunkPolicy(policy, sde_noise=0.5)
-    vector = make_vector("push", 2, image_size=32, config={"horizon": 8})
-    serials: list[int] = []
-    episodes = collect(vector, runner, [0, 0], task_id="push", serials=serials)
-    episodes[0].outcome = True
+    policy, runner, episodes, serials = one_informative_group()
     start = {k: v.clone() for k, v in policy.state_dict().items()}
     reference = tiny_policy().eval()
     reference.load_state_dict(start)
