@@ -4,6 +4,7 @@ benchmarks/vla_rl.py; here we check the machinery.)"""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,10 +48,14 @@ def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
     report = (run / "report.md").read_text()
     assert "| train |" in report and "heldout instructions" in report
 
-    # Resume with one more round: continues at round 2 from the round-1 checkpoint, keeps everything before.
+    # Resume with one more round: continues at round 2 from the round-1 checkpoint, keeps everything before. A kill
+    # after round 2's rollouts were written but before its checkpoint left them on disk: they are kept aside.
+    shutil.copytree(run / "rollouts" / "round-001", run / "rollouts" / "round-002")
     second = kinema("train", "--resume", str(run), "--rl.rounds", "2")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed" in second.stderr
+    assert len(read_episodes(run / "rollouts" / "interrupted-round-002")) == 3
+    assert {ep.policy_version for ep in read_episodes(run / "rollouts" / "round-002")} == {"round-2"}
     state = json.loads((run / "state.json").read_text())
     assert state["round"] == 2 and state["env_steps"] > 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

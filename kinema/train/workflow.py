@@ -222,6 +222,20 @@ def actor_updates(
     }
 
 
+def _set_aside_interrupted_rollouts(rollouts: Path, last_round: int, console: Console) -> None:
+    """Rollouts of a round after the last checkpoint came from a round the kill interrupted: that round runs again,
+    so they are renamed `interrupted-round-NNN[-k]` (kept, never deleted, and no longer read as replay)."""
+    for stale in sorted(rollouts.glob("round-*")):
+        if not stale.name[6:].isdigit() or int(stale.name[6:]) <= last_round:
+            continue
+        dest, k = rollouts / f"interrupted-{stale.name}", 1
+        while dest.exists():
+            k += 1
+            dest = rollouts / f"interrupted-{stale.name}-{k}"
+        stale.rename(dest)
+        console.print(f"rollouts of the interrupted {stale.name} kept as {dest}; the round runs again")
+
+
 def _concat_batches(parts: Sequence[dict]) -> dict:
     if len(parts) == 1:
         return parts[0]
@@ -348,6 +362,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
             acting = policy
         env_steps, actor_step, start_round = state["env_steps"], state["actor_step"], state["round"] + 1
         console.print(f"resumed {run.root} after {latest} (round {state['round']})")
+        _set_aside_interrupted_rollouts(run.root / "rollouts", state["round"], console)
     else:
         if cfg.init_policy:
             # Branch from an existing SFT checkpoint: every method of a comparison starts from the same policy.
