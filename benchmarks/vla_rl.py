@@ -8,6 +8,7 @@ then branches from that same checkpoint and the same demonstrations, through the
     awr            single-critic advantage-weighted regression
     habc           hierarchical advantage weighting (viability + efficiency, gated)
     habc_mc        HABC with Monte-Carlo efficiency targets (our variant)
+    habc_pooled    HABC's loss as written: demos and credit-weighted rollouts in one pool (default: half of each batch demos)
     habc_hil       HABC with the simulated human in the loop
     habc_nogate    ablation: fixed mix instead of the state-adaptive gate
     habc_nocredit  ablation: no intervention-aware credit (with the human in the loop, where it matters)
@@ -38,6 +39,7 @@ METHODS: dict[str, list[str]] = {
     "habc": ["--rl.method", "habc"],
     # our variant: V_e regresses on observed steps-to-success instead of the paper's TD target
     "habc_mc": ["--rl.method", "habc", "--rl.habc.efficiency_target", "mc", "--rl.habc.value_scale", "50"],
+    "habc_pooled": ["--rl.method", "habc", "--rl.replay_mixing", "pooled"],
     "habc_hil": ["--rl.method", "habc", "--rl.interventions", "true"],
     "habc_nogate": ["--rl.method", "habc", "--rl.habc.gate", "fixed_mix"],
     "habc_nocredit": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_credit", "false"],
