@@ -8,7 +8,8 @@ then branches from that same checkpoint and the same demonstrations, through the
     awr            single-critic advantage-weighted regression
     habc           hierarchical advantage weighting (viability + efficiency, gated)
     habc_mc        HABC with Monte-Carlo efficiency targets (our variant)
-    habc_pooled    HABC's loss as written: demos and credit-weighted rollouts in one pool (default: half of each batch demos)
+    habc_pooled    HABC's loss as written: demos and credit-weighted rollouts in one pool (the habc arm draws half of
+                   each batch from the demos)
     habc_hil       HABC with the simulated human in the loop
     habc_nogate    ablation: fixed mix instead of the state-adaptive gate
     habc_nocredit  ablation: no intervention-aware credit (with the human in the loop, where it matters)

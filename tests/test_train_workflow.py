@@ -170,7 +170,9 @@ def test_unknown_replay_mixing_is_refused_with_the_valid_ones():
 
 @pytest.mark.slow
 def test_flow_ppo_runs_and_resumes_with_its_reference(tmp_path: Path):
-    """The Flow-SDE PPO arm end to end: GRPO groups, the KL anchor read back from checkpoints/sft after a resume."""
+    """The Flow-SDE PPO arm end to end, and resumed: its KL reference (on by default) loads from checkpoints/sft both
+    times. (These tiny rollouts all fail, so no PPO update runs here; the updates and the KL term are tested in
+    tests/test_train_ppo.py.)"""
     run = tmp_path / "run"
     args = ["--rl.method", "flow_ppo", "--rl.group_size", "3", "--eval.heldout", "false", "--eval.videos", "0"]
     first = kinema("train", *TINY, *args, "--rl.rounds", "1", "--out", str(run))
@@ -181,3 +183,8 @@ def test_flow_ppo_runs_and_resumes_with_its_reference(tmp_path: Path):
     rounds = [r for r in records if r["kind"] == "round"]
     assert [r["round"] for r in rounds] == [1, 2]
     assert all({"ppo/updates", "grpo/n_groups"} <= set(r) and r["grpo/n_groups"] == 1.0 for r in rounds)
+
+
+def test_negative_ppo_trust_region_settings_are_refused():
+    with pytest.raises(ValueError, match=r"rl.ppo_kl_weight must be >= 0 \(0 turns it off\); got -0.1"):
+        load_config(None, ["--rl.ppo_kl_weight", "-0.1"])

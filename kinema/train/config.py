@@ -131,6 +131,9 @@ class TrainConfig:
             )
         if self.rl.replay_mixing not in REPLAY_MIXING:
             raise ValueError(f"rl.replay_mixing {self.rl.replay_mixing!r} is not known; valid: {', '.join(REPLAY_MIXING)}")
+        for name, value in (("rl.ppo_target_kl", self.rl.ppo_target_kl), ("rl.ppo_kl_weight", self.rl.ppo_kl_weight)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (0 turns it off); got {value}")
         if not 0.0 <= self.rl.demo_fraction <= 1.0:
             raise ValueError(f"rl.demo_fraction must be in [0, 1]; got {self.rl.demo_fraction}")
         for name, value in (("sft.steps", self.sft.steps), ("rl.rounds", self.rl.rounds), ("eval.episodes", self.eval.episodes)):

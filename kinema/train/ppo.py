@@ -38,8 +38,9 @@ def flow_grpo_updates(
 ) -> dict[str, float]:
     """PPO epochs over every recorded stochastic denoising step of the episodes' chunks.
 
-    target_kl > 0: the round's updates stop once a minibatch's approximate KL to the rollout policy passes
-    1.5 × target_kl (the early stop of stable-baselines3 / CleanRL's `target_kl`). Without it the tiny VLA moved
+    target_kl > 0: the round's updates stop once a minibatch's approximate KL to the rollout policy (measured before
+    its update) passes 1.5 × target_kl; like CleanRL's `target_kl`, the check follows the update, so the update that
+    crossed is kept (stable-baselines3 skips it). Without it the tiny VLA moved
     0.3–2.9 nats per log-prob element in a round and collapsed to 0 % success by round 4 (drawer and pick_place,
     2026-11-30; the measured settings are in `kinema.train.config.RLConfig`).
     kl_weight > 0 (with `reference`, the frozen starting policy): Flow-GRPO's β·KL between the current and the
