@@ -40,9 +40,9 @@ def flow_grpo_updates(
 
     target_kl > 0: the round's updates stop once a minibatch's approximate KL to the rollout policy (measured before
     its update) passes 1.5 × target_kl; like CleanRL's `target_kl`, the check follows the update, so the update that
-    crossed is kept (stable-baselines3 skips it). Without it the tiny VLA moved
-    0.3–2.9 nats per log-prob element in a round and collapsed to 0 % success by round 4 (drawer and pick_place,
-    2026-11-30; the measured settings are in `kinema.train.config.RLConfig`).
+    crossed is kept (stable-baselines3 skips it). Without it the tiny VLA moved 0.3–2.9 nats per log-prob element
+    in a round and collapsed to 0 % success by round 4 (drawer and pick_place, 2026-11-30; the measured settings
+    are in `kinema.train.config.RLConfig`).
     kl_weight > 0 (with `reference`, the frozen starting policy): Flow-GRPO's β·KL between the current and the
     reference policy's SDE steps at the recorded states, an anchor on the cumulative drift that the per-round
     trust region does not bound.
@@ -63,7 +63,7 @@ def flow_grpo_updates(
         if a != 0.0:
             for k in range(rec["log_prob"].shape[0] - 1):  # the last denoising step is deterministic (no log-prob)
                 samples.append((rec, k, a))
-    stats: dict[str, list[float]] = {"loss": [], "approx_kl": [], "clipfrac": [], "kl_to_reference": []}
+    stats: dict[str, list[float]] = {"loss": [], "approx_kl": [], "clipfrac": []}
     # Eval mode: the log-prob must be re-evaluated on the very inputs of the rollout (no image augmentation),
     # so that the ratio is exactly 1 before the first update. Gradients flow all the same.
     policy.eval()
@@ -82,7 +82,7 @@ def flow_grpo_updates(
                     ref = reference.sde_log_prob(batch, noise_level=noise_level)
                 kl = sde_kl_loss(step.mean, ref.mean, step.std_dev_t)
                 loss = loss + kl_weight * kl
-                stats["kl_to_reference"].append(float(kl.mean().detach()))
+                stats.setdefault("kl_to_reference", []).append(float(kl.mean().detach()))
             optimizer.zero_grad(set_to_none=True)
             loss.mean().backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -96,7 +96,7 @@ def flow_grpo_updates(
                 stopped_early = True
                 break
     policy.train()
-    out = {f"ppo/{k}": float(np.mean(v)) if v else float("nan") for k, v in stats.items() if v or k != "kl_to_reference"}
+    out = {f"ppo/{k}": float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
     out["ppo/samples"] = len(samples)
     out["ppo/updates"] = len(stats["loss"])
     out.update({f"grpo/{k}": float(v) for k, v in adv.stats.items()})
