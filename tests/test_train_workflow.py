@@ -188,3 +188,15 @@ def test_flow_ppo_runs_and_resumes_with_its_reference(tmp_path: Path):
 def test_negative_ppo_trust_region_settings_are_refused():
     with pytest.raises(ValueError, match=r"rl.ppo_kl_weight must be >= 0 \(0 turns it off\); got -0.1"):
         load_config(None, ["--rl.ppo_kl_weight", "-0.1"])
+
+
+def test_curves_of_an_sft_only_run_say_there_were_no_rounds(tmp_path: Path):
+    import warnings
+
+    from kinema.train.report import write_curves
+
+    sft_eval = {"kind": "eval", "stage": "sft", "env_steps": 0, "train/success": 0.3, "train/success_se": 0.05}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns when a legend has nothing to show
+        path = write_curves([sft_eval], tmp_path / "curves.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

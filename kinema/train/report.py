@@ -67,7 +67,8 @@ def write_curves(records: list[dict[str, Any]], path: Path) -> Path:
     ax.set_ylabel("success (%)")
     ax.set_ylim(-2, 102)
     ax.set_title("evaluation success (± s.e.)")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     ax = axes[1]
     pts = [(r["env_steps"], r["rollout/success"]) for r in rounds if "rollout/success" in r]
     if pts:
@@ -82,7 +83,10 @@ def write_curves(records: list[dict[str, Any]], path: Path) -> Path:
     ax.set_xlabel("env steps of RL rollouts")
     ax.set_ylabel("rollout success (%)")
     ax.set_title("training rollouts")
-    ax.legend(fontsize=8, loc="upper left")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="upper left")
+    else:  # an SFT-only run (or one stopped before its first round)
+        ax.text(0.5, 0.5, "no RL rounds in this run", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     try:
         with atomic_file(path) as tmp:
