@@ -17,7 +17,15 @@ then branches from that same checkpoint and the same demonstrations, through the
     flow_ppo       Flow-SDE GRPO/PPO on the denoising steps' log-probs (the πRL-style baseline)
 
 Last line: one JSON object, one entry per method with success, heldout_success, steps_to_success and
-gain_over_sft (success points over SFT), each success with its standard error.
+gain_over_sft (success points over SFT), each success with its standard error; `_meta.task_run_minutes` is the
+wall time each task's runs took, summed (the budget the task needed, whether they ran at once or in turn).
+
+    python benchmarks/vla_rl.py --quick                       # one task, tiny budget (< 1-2 minutes)
+    python benchmarks/vla_rl.py --tasks drawer --seeds 2      # runs one after another, with a live progress bar
+    python benchmarks/vla_rl.py --jobs 8 --out runs/bench     # 8 runs at once (logs in runs/bench/logs/)
+
+Runs are folders under --out; a finished run is reused and an interrupted one resumed, so a killed benchmark
+continues where it stopped and more seeds or methods can be added later.
 """
 
 from __future__ import annotations
@@ -25,12 +33,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from kinema.train.config import load_config
+from kinema.train.config import load_run_config
 from kinema.train.workflow import train
 
 METHODS: dict[str, list[str]] = {
@@ -58,6 +71,72 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@dataclass
+class Job:
+    """One `kinema train` run of the benchmark: its folder, base config and overrides (resumed if it has a state)."""
+
+    run: Path
+    config: str | None
+    overrides: list[str]
+
+    @property
+    def name(self) -> str:
+        return f"{self.run.parent.name}/{self.run.name}"
+
+
+def run_jobs(jobs: list[Job], *, jobs_at_once: int, logs: Path) -> None:
+    """Train the runs: in this process one after another (jobs_at_once 1, with the live progress bar), or as
+    `kinema train` subprocesses, jobs_at_once of them at a time, each logging to logs/<task-seed>-<method>.log."""
+    if jobs_at_once <= 1:
+        for job in jobs:
+            resume = (job.run / "state.json").exists()
+            train(load_run_config(job.config, [*job.overrides, "--out", str(job.run)], str(job.run) if resume else None), resume=resume)
+        return
+    logs.mkdir(parents=True, exist_ok=True)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+    def one(job: Job) -> None:
+        cmd = [sys.executable, "-m", "kinema.cli", "train"]
+        if (job.run / "state.json").exists():
+            cmd += ["--resume", str(job.run)]
+        else:
+            cmd += [*(["--config", job.config] if job.config else []), *job.overrides, "--out", str(job.run)]
+        log = logs / f"{job.name.replace('/', '-')}.log"
+        print(f"started  {job.name} (log: {log})", flush=True)
+        with open(log, "ab") as fh:
+            code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+        if code != 0:
+            raise RuntimeError(f"benchmark run {job.name} failed with exit code {code}; see {log}")
+        print(f"finished {job.name}", flush=True)
+
+    with ThreadPoolExecutor(max_workers=jobs_at_once) as pool:
+        for future in [pool.submit(one, job) for job in jobs]:
+            future.result()
+
+
+def _sft_done(run: Path) -> bool:
+    return (run / "metrics.jsonl").exists() and any(r.get("kind") == "eval" and r.get("stage") == "sft" for r in _records(run))
+
+
+def _final_done(run: Path) -> bool:
+    return (run / "state.json").exists() and bool(json.loads((run / "state.json").read_text()).get("final_done"))
+
+
+def _run_minutes(run: Path) -> float:
+    """Wall minutes of one run: from its config (written at the start) to its last metrics record. A resumed run
+    counts its pause too."""
+    return (_records(run)[-1]["time"] - (run / "config.yaml").stat().st_mtime) / 60
+
+
+def _aside(run: Path) -> Path:
+    dest, k = run.with_name(f"{run.name}-interrupted"), 1
+    while dest.exists():
+        k += 1
+        dest = run.with_name(f"{run.name}-interrupted-{k}")
+    return dest
+
+
 def final_eval(run: Path, stage: str) -> dict:
     return next(r for r in reversed(_records(run)) if r.get("kind") == "eval" and r.get("stage") == stage)
 
@@ -74,6 +153,9 @@ def main() -> None:
         "(default: the shipped <task>_habc.yaml, which sets the demo count and SFT budget that place SFT at 20-60%%)",
     )
     parser.add_argument("--out", default="runs/bench_vla_rl")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs trained at once, as subprocesses (1: one after another in this process). SFTs first, "
+                        "then every method; each run uses one torch thread plus its env workers, so about cores / 2")
     args, overrides = parser.parse_known_args()
     tasks = ["drawer"] if args.quick else args.tasks.split(",")
     seeds = 1 if args.quick else args.seeds
@@ -82,38 +164,48 @@ def main() -> None:
     out = Path(args.out + ("_quick" if args.quick else ""))
     started = time.time()
 
-    rows: dict[str, dict[str, list]] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
-    task_minutes: dict[str, float] = {}
-    per_task: dict[str, dict[str, list]] = {}  # task -> method -> [(train success, held-out success)] over seeds
+    # 1. Runs: one SFT per task and seed, then every method from it. A finished run is reused and an interrupted
+    # one resumed, so a killed benchmark continues where it stopped.
+    configs = {task: args.config.format(task=task) if args.config else None for task in tasks}
+    sft_jobs, arm_jobs = [], []
     for task in tasks:
-        task_started = time.time()
-        config = args.config.format(task=task) if args.config else None
         for seed in range(seeds):
             base = out / f"{task}-s{seed}" / "sft"
-            if not (base / "state.json").exists():
-                cfg = load_config(config, [*base_overrides, "--task", task, "--seed", str(seed), "--rl.method", "none", "--out", str(base)])
-                train(cfg)
-            sft = final_eval(base, "sft")
+            if not _sft_done(base):
+                if base.exists():  # an SFT killed before its evaluation: SFT runs have no round to resume from
+                    base.rename(_aside(base))
+                sft_jobs.append(Job(base, configs[task], [*base_overrides, "--task", task, "--seed", str(seed), "--rl.method", "none"]))
+            for method in methods:
+                run = out / f"{task}-s{seed}" / method
+                if not _final_done(run):
+                    if run.exists() and not (run / "state.json").exists():  # killed before its first checkpoint
+                        run.rename(_aside(run))
+                    arm_jobs.append(Job(run, configs[task], [
+                        *base_overrides, *METHODS[method], "--task", task, "--seed", str(seed), "--init_policy",
+                        str(base / "checkpoints" / "sft"), "--dataset", str(base / "demos"), "--eval.baseline", "false",
+                    ]))  # fmt: skip
+    run_jobs(sft_jobs, jobs_at_once=args.jobs, logs=out / "logs")
+    run_jobs(arm_jobs, jobs_at_once=args.jobs, logs=out / "logs")
+
+    # 2. The table, from the runs' metrics.
+    rows: dict[str, dict[str, list]] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
+    per_task: dict[str, dict[str, list]] = {}  # task -> method -> [train success] over seeds
+    run_minutes: dict[str, float] = {}  # task -> the wall minutes its runs took, summed (the budget it needed)
+    for task in tasks:
+        runs = [out / f"{task}-s{seed}" / m for seed in range(seeds) for m in ["sft", *methods]]
+        run_minutes[task] = round(sum(_run_minutes(r) for r in runs), 1)
+        for seed in range(seeds):
+            sft = final_eval(out / f"{task}-s{seed}" / "sft", "sft")
             _add(rows["sft"], sft, sft)
             _add_task(per_task, task, "sft", sft)
             for method in methods:
                 run = out / f"{task}-s{seed}" / method
-                if not (run / "state.json").exists() or not json.loads((run / "state.json").read_text()).get("final_done"):
-                    cfg = load_config(
-                        config,
-                        [*base_overrides, *METHODS[method], "--task", task, "--seed", str(seed), "--out", str(run),
-                         "--init_policy", str(base / "checkpoints" / "sft"), "--dataset", str(base / "demos"),
-                         "--eval.baseline", "false"],
-                    )  # fmt: skip
-                    train(cfg, resume=(run / "state.json").exists())
                 final = final_eval(run, "final")
                 _add(rows[method], final, sft)
                 takeovers = [r["rollout/takeover_rate"] for r in _records(run) if r.get("kind") == "round" and r.get("rollout/takeover_rate") is not None]
                 if "--rl.interventions" in METHODS[method] and len(takeovers) >= 2:
                     rows[method].setdefault("takeover", []).append((takeovers[0], takeovers[-1]))
                 _add_task(per_task, task, method, final)
-        # Wall minutes this invocation spent on the task (runs finished earlier and reused count zero).
-        task_minutes[task] = round((time.time() - task_started) / 60, 1)
 
     summary = {}
     print(f"\n{'method':<15} {'success':>14} {'held-out':>14} {'steps':>8} {'gain (pts)':>12}")
@@ -147,7 +239,10 @@ def main() -> None:
         print(f"{task:<12} " + "  ".join(f"{m} {100 * v:.0f}" for m, v in by_task[task].items() if m != "habc_margin_over_best_baseline")
               + (f"  | HABC - best baseline {100 * by_task[task]['habc_margin_over_best_baseline']:+.0f} pts" if "habc_margin_over_best_baseline" in by_task[task] else ""))
     summary["per_task_success"] = by_task
-    summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "minutes": round((time.time() - started) / 60, 1), "task_minutes": task_minutes}
+    # Wall minutes of this invocation (runs finished earlier and reused count zero), with the jobs it ran at once.
+    summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "jobs": args.jobs,
+                        "runs_trained": len(sft_jobs) + len(arm_jobs), "minutes": round((time.time() - started) / 60, 1),
+                        "task_run_minutes": run_minutes}
     print(json.dumps(summary))
 
 

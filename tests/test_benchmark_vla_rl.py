@@ -1,0 +1,47 @@
+"""benchmarks/vla_rl.py's machinery at a tiny budget: runs in parallel subprocesses, finished runs reused, a run
+killed before its first checkpoint set aside and trained again. (What it measures is in the README, not here.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "vla_rl.py"
+# On top of the benchmark's --quick budget: smaller still, no env worker processes.
+TINIER = ["--demos.episodes", "4", "--sft.steps", "6", "--rl.updates_per_round", "4", "--rl.habc.critic_steps", "5",
+          "--eval.episodes", "2", "--eval.round_episodes", "2", "--rl.episodes_per_round", "2", "--workers", "0",
+          "--num_envs", "2", "--task_config", '{"horizon": 30}']  # fmt: skip
+
+
+def bench(out: Path, *args: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--out", str(out), *args, *TINIER],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_parallel_runs_then_reuse_and_a_killed_run_trained_again(tmp_path: Path):
+    out = tmp_path / "bench"
+    first = bench(out, "--methods", "sft_continued", "--jobs", "2")
+    runs = tmp_path / "bench_quick" / "drawer-s0"
+    assert first["_meta"]["runs_trained"] == 2 and first["_meta"]["jobs"] == 2
+    assert {p.name for p in (tmp_path / "bench_quick" / "logs").iterdir()} == {"drawer-s0-sft.log", "drawer-s0-sft_continued.log"}
+    assert json.loads((runs / "sft_continued" / "state.json").read_text())["final_done"]
+    assert first["sft_continued"]["success"] is not None and first["_meta"]["task_run_minutes"]["drawer"] > 0
+
+    # An awr run killed before its first checkpoint (config written, no state): set aside, trained afresh; the SFT
+    # and the control are reused, and the control's figures are the same as before.
+    (runs / "awr").mkdir()
+    (runs / "awr" / "config.yaml").write_text((runs / "sft_continued" / "config.yaml").read_text())
+    second = bench(out, "--methods", "sft_continued,awr")
+    assert second["_meta"]["runs_trained"] == 1
+    assert (runs / "awr-interrupted" / "config.yaml").is_file()
+    assert json.loads((runs / "awr" / "state.json").read_text())["final_done"]
+    assert second["sft_continued"] == first["sft_continued"] and second["sft"] == first["sft"]
