@@ -23,8 +23,10 @@ The toy, with a known answer:
 Reported: reward against training CPU seconds per method; time to the target reward (start + half the gap to
 the known maximum, `--target-fraction`; a trailing mean of two evaluations must reach it) and the best method's
 ratio to Flow-GRPO's (Flow-GRPO's whole budget when even its longer budget does not get there: the ratio is then
-a lower bound, `speedup_is_lower_bound`); the time each method took to reach Flow-GRPO's reward at the end of
-the common budget, and that ratio; diversity relative to the start; peak RSS. The last line is one JSON object.
+a lower bound, `speedup_is_lower_bound`), and the same at targets 25 / 50 / 75 % of the gap
+(`speedup_by_target_fraction`: how much the headline depends on where the target sits); the time each method took
+to reach Flow-GRPO's reward at the end of the common budget, and that ratio; diversity relative to the start; peak
+RSS. The last line is one JSON object.
 
     PYTHONPATH=. python benchmarks/video_rl.py --quick     # < 1 minute on an idle machine (a smoke run)
     PYTHONPATH=. python benchmarks/video_rl.py             # the comparison (~12 minutes of CPU)
@@ -193,6 +195,19 @@ def time_to(curve: list[dict], target: float) -> float | None:
     return None
 
 
+def speedup_at(results: dict[str, dict], target: float, grpo_budget: float) -> dict:
+    """Who of the methods other than Flow-GRPO reached `target` first, and its speed-up over Flow-GRPO: Flow-GRPO's
+    measured time, or its whole (longer) budget when it never got there (then the speed-up is a lower bound)."""
+    times = {m: time_to(r["curve"], target) for m, r in results.items()}
+    reached = {m: t for m, t in times.items() if t is not None and m != "flow_grpo"}
+    best = min(reached, key=reached.get) if reached else None
+    grpo_time = times.get("flow_grpo")
+    speedup = None
+    if best is not None and "flow_grpo" in results:
+        speedup = (grpo_time if grpo_time is not None else grpo_budget) / max(reached[best], 1e-9)
+    return {"times": times, "best": best, "speedup": speedup, "lower_bound": speedup is not None and grpo_time is None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="16x16, 5 frames, a few seconds per method (< 1 minute)")
@@ -265,7 +280,8 @@ def main() -> None:
 
     start = float(np.mean([r["curve"][0]["reward"] for r in results.values()]))
     target = start + args.target_fraction * (0.0 - start)  # part of the way to the known maximum 0
-    times = {m: time_to(r["curve"], target) for m, r in results.items()}
+    headline = speedup_at(results, target, grpo_budget)
+    times = headline["times"]
     for m, r in results.items():
         print(f"{m:10s} reward vs training seconds: " + ", ".join(f"{p['time_s']:.0f}s {p['reward']:+.3f}" for p in r["curve"]))
     grpo = results.get("flow_grpo")
@@ -275,12 +291,19 @@ def main() -> None:
     # Nobody reached the target: the best final reward among the methods that kept diversity_ratio >= MIN_DIVERSITY
     # (a collapsed method's reward is not a result).
     kept = [m for m in results if m != "flow_grpo" and div_by_method[m] >= MIN_DIVERSITY]
-    best = min(reached, key=reached.get) if reached else max(kept, key=lambda m: results[m]["curve"][-1]["reward"], default=None)
+    best = headline["best"] or max(kept, key=lambda m: results[m]["curve"][-1]["reward"], default=None)
     best_rule = "first to reach the target" if reached else f"best final reward with diversity_ratio >= {MIN_DIVERSITY}"
-    speedup = None
-    if best is not None and grpo is not None and best in reached:
-        # Flow-GRPO's measured time, or its whole (longer) budget when it never got there: then a lower bound.
-        speedup = (grpo_time if grpo_time is not None else grpo_budget) / max(reached[best], 1e-9)
+    speedup = headline["speedup"]
+    # The same at other targets: how the speed-up depends on how far along the gap the target sits (the headline
+    # stays at --target-fraction).
+    by_fraction = {}
+    for fraction in sorted({0.25, 0.5, 0.75, args.target_fraction}):
+        at = speedup_at(results, start + fraction * (0.0 - start), grpo_budget)
+        by_fraction[str(fraction)] = {
+            "best_method": at["best"], "speedup_vs_flow_grpo": None if at["speedup"] is None else round(at["speedup"], 2),
+            "speedup_is_lower_bound": at["lower_bound"],
+            "time_to_target_s": {m: (round(t, 2) if t is not None else None) for m, t in at["times"].items()},
+        }  # fmt: skip
     # Flow-GRPO's reward (smoothed) at the end of the budget every other method had: how much sooner did the
     # others get there?
     grpo_at_budget = None
@@ -319,7 +342,8 @@ def main() -> None:
         "best_method_rule": best_rule,
         "flow_grpo_reached_target": grpo_time is not None,
         "speedup_vs_flow_grpo": round(speedup, 2) if speedup is not None else None,
-        "speedup_is_lower_bound": speedup is not None and grpo_time is None,
+        "speedup_is_lower_bound": headline["lower_bound"],
+        "speedup_by_target_fraction": by_fraction,
         "flow_grpo_reward_at_common_budget": round(grpo_at_budget, 4) if grpo_at_budget is not None else None,
         "time_to_flow_grpo_common_budget_reward_s": {m: (None if t is None else round(t, 2)) for m, t in to_grpo.items()},
         "speedup_to_flow_grpo_common_budget_reward": round(speedup_equal, 2) if speedup_equal is not None else None,

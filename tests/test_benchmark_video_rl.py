@@ -1,0 +1,42 @@
+"""benchmarks/video_rl.py's bookkeeping on constructed reward curves with known answers. (The measured speed-ups
+are in the README, not here.)"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("video_rl", Path(__file__).resolve().parent.parent / "benchmarks" / "video_rl.py")
+video_rl = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(video_rl)
+
+
+def curve(*points: tuple[float, float]) -> dict:
+    return {"curve": [{"time_s": t, "reward": r} for t, r in points]}
+
+
+def test_time_to_target_needs_two_evaluations_in_a_row():
+    c = curve((0, -0.3), (10, -0.1), (20, -0.3), (30, -0.1), (40, -0.1))["curve"]
+    # the lucky -0.1 at 10 s averages to -0.2 with its neighbours; two evaluations at -0.1 first arrive at 40 s
+    assert video_rl.time_to(c, -0.15) == 40
+    assert video_rl.time_to(c, 0.0) is None
+
+
+def test_speedup_is_flow_grpos_time_over_the_first_other_methods():
+    results = {
+        "awr": curve((0, -0.3), (20, -0.1), (25, -0.1)),
+        "nft": curve((0, -0.3), (40, -0.1), (50, -0.1)),
+        "flow_grpo": curve((0, -0.3), (90, -0.1), (100, -0.1)),
+    }
+    at = video_rl.speedup_at(results, -0.15, grpo_budget=400)
+    assert at["best"] == "awr" and at["speedup"] == pytest.approx(4.0) and not at["lower_bound"]
+
+
+def test_speedup_is_a_lower_bound_when_flow_grpo_never_gets_there():
+    results = {"awr": curve((0, -0.3), (20, -0.1), (25, -0.1)), "flow_grpo": curve((0, -0.3), (400, -0.25))}
+    at = video_rl.speedup_at(results, -0.15, grpo_budget=400)
+    assert at["speedup"] == pytest.approx(16.0) and at["lower_bound"]
+    nobody = video_rl.speedup_at(results, 0.0, grpo_budget=400)
+    assert nobody["best"] is None and nobody["speedup"] is None and not nobody["lower_bound"]
