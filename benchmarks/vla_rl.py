@@ -34,8 +34,10 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -68,7 +70,11 @@ QUICK = [
 
 
 def _records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    text = (run / "metrics.jsonl").read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):  # a record torn by a kill mid-write
+        lines = lines[:-1]
+    return [json.loads(line) for line in lines]
 
 
 @dataclass
@@ -96,27 +102,70 @@ def run_jobs(jobs: list[Job], *, jobs_at_once: int, logs: Path) -> None:
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
+    stop = threading.Event()  # set on a failure or an interrupt: no further run starts
+    running: dict[str, subprocess.Popen] = {}
+    lock = threading.Lock()
+
     def one(job: Job) -> None:
         cmd = [sys.executable, "-m", "kinema.cli", "train"]
         if (job.run / "state.json").exists():
-            cmd += ["--resume", str(job.run)]
+            cmd += ["--resume", str(job.run), *job.overrides]  # as the in-process path: the saved config + overrides
         else:
             cmd += [*(["--config", job.config] if job.config else []), *job.overrides, "--out", str(job.run)]
         log = logs / f"{job.name.replace('/', '-')}.log"
-        print(f"started  {job.name} (log: {log})", flush=True)
-        with open(log, "ab") as fh:
-            code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+        with open(log, "ab") as fh, lock:
+            if stop.is_set():
+                return
+            # A session of its own: a terminal's Ctrl-C reaches this process only, which forwards one SIGINT.
+            proc = running[job.name] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            print(f"started  {job.name} (log: {log})", flush=True)
+        code = proc.wait()
+        with lock:
+            running.pop(job.name, None)
         if code != 0:
+            stop.set()  # the runs already going finish; none starts after a failure
             raise RuntimeError(f"benchmark run {job.name} failed with exit code {code}; see {log}")
         print(f"finished {job.name}", flush=True)
 
-    with ThreadPoolExecutor(max_workers=jobs_at_once) as pool:
-        for future in [pool.submit(one, job) for job in jobs]:
-            future.result()
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupted)  # a kill by PID stops the runs too, not only Ctrl-C
+    # A shell starts background jobs with SIGINT ignored, and the runs would inherit that through exec and never
+    # save on the SIGINT forwarded below: a handled (not ignored) SIGINT here is reset to the default in them.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    pool = ThreadPoolExecutor(max_workers=jobs_at_once)
+    futures = [pool.submit(one, job) for job in jobs]
+    errors = []
+    try:
+        for future in futures:
+            try:
+                future.result()
+            except RuntimeError as err:
+                errors.append(str(err))
+    except BaseException:
+        # Ctrl-C or SIGTERM: nothing new starts, and every running `kinema train` gets the SIGINT it saves and
+        # exits on (it resumes from its last checkpoint on the next invocation).
+        stop.set()
+        with lock:
+            for proc in running.values():
+                proc.send_signal(signal.SIGINT)
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
+    pool.shutdown(wait=True)
+    if errors:
+        raise RuntimeError("; ".join(errors))
 
 
 def _sft_done(run: Path) -> bool:
-    return (run / "metrics.jsonl").exists() and any(r.get("kind") == "eval" and r.get("stage") == "sft" for r in _records(run))
+    """The SFT checkpoint is saved (state.json follows it) and evaluated."""
+    return (
+        (run / "state.json").exists() and (run / "metrics.jsonl").exists()
+        and any(r.get("kind") == "eval" and r.get("stage") == "sft" for r in _records(run))
+    )  # fmt: skip
 
 
 def _final_done(run: Path) -> bool:
@@ -124,9 +173,10 @@ def _final_done(run: Path) -> bool:
 
 
 def _run_minutes(run: Path) -> float:
-    """Wall minutes of one run: from its config (written at the start) to its last metrics record. A resumed run
-    counts its pause too."""
-    return (_records(run)[-1]["time"] - (run / "config.yaml").stat().st_mtime) / 60
+    """Wall minutes of one run: from its start (its config file, rewritten on a resume, or its first record,
+    whichever is earlier) to its last metrics record. A resumed run counts its pause too."""
+    records = _records(run)
+    return (records[-1]["time"] - min((run / "config.yaml").stat().st_mtime, records[0]["time"])) / 60
 
 
 def _aside(run: Path) -> Path:
@@ -172,8 +222,11 @@ def main() -> None:
         for seed in range(seeds):
             base = out / f"{task}-s{seed}" / "sft"
             if not _sft_done(base):
-                if base.exists():  # an SFT killed before its evaluation: SFT runs have no round to resume from
+                if base.exists():  # an SFT killed before its checkpoint and evaluation: it has no round to resume
                     base.rename(_aside(base))
+                    for arm in base.parent.iterdir():  # arms branched from that SFT do not belong to the new one
+                        if arm.is_dir() and arm.name in METHODS:
+                            arm.rename(_aside(arm))
                 sft_jobs.append(Job(base, configs[task], [*base_overrides, "--task", task, "--seed", str(seed), "--rl.method", "none"]))
             for method in methods:
                 run = out / f"{task}-s{seed}" / method

@@ -40,3 +40,9 @@ def test_speedup_is_a_lower_bound_when_flow_grpo_never_gets_there():
     assert at["speedup"] == pytest.approx(16.0) and at["lower_bound"]
     nobody = video_rl.speedup_at(results, 0.0, grpo_budget=400)
     assert nobody["best"] is None and nobody["speedup"] is None and not nobody["lower_bound"]
+
+
+def test_a_faster_flow_grpo_gives_a_speedup_under_one_not_the_title():
+    results = {"nft": curve((0, -0.3), (40, -0.1), (50, -0.1)), "flow_grpo": curve((0, -0.3), (10, -0.1), (20, -0.1))}
+    at = video_rl.speedup_at(results, -0.15, grpo_budget=400)
+    assert at["best"] == "nft" and at["speedup"] == pytest.approx(0.4) and not at["lower_bound"]

@@ -1,5 +1,6 @@
 """benchmarks/vla_rl.py's machinery at a tiny budget: runs in parallel subprocesses, finished runs reused, a run
-killed before its first checkpoint set aside and trained again. (What it measures is in the README, not here.)"""
+killed before its first checkpoint set aside and trained again, and so an SFT with the arms that branched from it.
+(What it measures is in the README, not here.)"""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def bench(out: Path, *args: str) -> dict:
 
 
 @pytest.mark.slow
-def test_parallel_runs_then_reuse_and_a_killed_run_trained_again(tmp_path: Path):
+def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     out = tmp_path / "bench"
     first = bench(out, "--methods", "sft_continued", "--jobs", "2")
     runs = tmp_path / "bench_quick" / "drawer-s0"
@@ -45,3 +46,11 @@ def test_parallel_runs_then_reuse_and_a_killed_run_trained_again(tmp_path: Path)
     assert (runs / "awr-interrupted" / "config.yaml").is_file()
     assert json.loads((runs / "awr" / "state.json").read_text())["final_done"]
     assert second["sft_continued"] == first["sft_continued"] and second["sft"] == first["sft"]
+
+    # An SFT killed after its evaluation but before its checkpoint's state was written: set aside with the arms
+    # that branched from it (they belong to another SFT), and everything trained again.
+    (runs / "sft" / "state.json").unlink()
+    third = bench(out, "--methods", "sft_continued,awr", "--jobs", "2")
+    assert third["_meta"]["runs_trained"] == 3
+    assert {"sft-interrupted", "sft_continued-interrupted", "awr-interrupted-2"} <= {p.name for p in runs.iterdir()}
+    assert all(json.loads((runs / m / "state.json").read_text()).get("final_done") for m in ("sft_continued", "awr"))
