@@ -47,6 +47,7 @@ import numpy as np
 
 from kinema.train.config import load_run_config
 from kinema.train.workflow import train
+from policies.checkpoint import set_aside
 
 METHODS: dict[str, list[str]] = {
     "sft_continued": ["--rl.method", "sft_continued"],
@@ -179,14 +180,6 @@ def _run_minutes(run: Path) -> float:
     return (records[-1]["time"] - min((run / "config.yaml").stat().st_mtime, records[0]["time"])) / 60
 
 
-def _aside(run: Path) -> Path:
-    dest, k = run.with_name(f"{run.name}-interrupted"), 1
-    while dest.exists():
-        k += 1
-        dest = run.with_name(f"{run.name}-interrupted-{k}")
-    return dest
-
-
 def final_eval(run: Path, stage: str) -> dict:
     return next(r for r in reversed(_records(run)) if r.get("kind") == "eval" and r.get("stage") == stage)
 
@@ -223,16 +216,16 @@ def main() -> None:
             base = out / f"{task}-s{seed}" / "sft"
             if not _sft_done(base):
                 if base.exists():  # an SFT killed before its checkpoint and evaluation: it has no round to resume
-                    base.rename(_aside(base))
+                    set_aside(base, f"{base.name}-interrupted")
                     for arm in base.parent.iterdir():  # arms branched from that SFT do not belong to the new one
                         if arm.is_dir() and arm.name in METHODS:
-                            arm.rename(_aside(arm))
+                            set_aside(arm, f"{arm.name}-interrupted")
                 sft_jobs.append(Job(base, configs[task], [*base_overrides, "--task", task, "--seed", str(seed), "--rl.method", "none"]))
             for method in methods:
                 run = out / f"{task}-s{seed}" / method
                 if not _final_done(run):
                     if run.exists() and not (run / "state.json").exists():  # killed before its first checkpoint
-                        run.rename(_aside(run))
+                        set_aside(run, f"{run.name}-interrupted")
                     arm_jobs.append(Job(run, configs[task], [
                         *base_overrides, *METHODS[method], "--task", task, "--seed", str(seed), "--init_policy",
                         str(base / "checkpoints" / "sft"), "--dataset", str(base / "demos"), "--eval.baseline", "false",

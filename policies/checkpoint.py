@@ -72,6 +72,17 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
             tmp.unlink()
 
 
+def set_aside(path: str | os.PathLike, name: str) -> Path:
+    """Rename `path` to the sibling `name`, or `name-2`, `name-3`, ... (the first that is free): kept, never
+    overwritten, out of the way of what replaces it. Returns where it went."""
+    path = Path(path)
+    dest, k = path.with_name(name), 1
+    while dest.exists():
+        k += 1
+        dest = path.with_name(f"{name}-{k}")
+    return path.rename(dest)
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """`Path.write_text`, atomically (see `atomic_file`)."""
     with atomic_file(path) as tmp:

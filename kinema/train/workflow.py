@@ -37,7 +37,7 @@ from kinema.train.credit import CriticState, awr_step_weights, habc_step_weights
 from kinema.train.evaluate import ChunkPolicy, EvalResult, evaluate, summarize
 from kinema.train.ppo import flow_grpo_updates
 from kinema.train.report import record_videos, write_curves, write_report
-from policies.checkpoint import atomic_file, write_text_atomic
+from policies.checkpoint import atomic_file, set_aside, write_text_atomic
 from policies.vla import VLAConfig, VLAPolicy
 from sim.experts import ExpertConfig
 from sim.monitor import MonitorConfig
@@ -228,11 +228,7 @@ def _set_aside_interrupted_rollouts(rollouts: Path, last_round: int, console: Co
     for stale in sorted(rollouts.glob("round-*")):
         if not stale.name[6:].isdigit() or int(stale.name[6:]) <= last_round:
             continue
-        dest, k = rollouts / f"interrupted-{stale.name}", 1
-        while dest.exists():
-            k += 1
-            dest = rollouts / f"interrupted-{stale.name}-{k}"
-        stale.rename(dest)
+        dest = set_aside(stale, f"interrupted-{stale.name}")
         console.print(f"rollouts of the interrupted {stale.name} kept as {dest}; the round runs again")
 
 
