@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kinema.train.evaluate import ChunkPolicy
-from kinema.train.ppo import flow_grpo_updates
+from kinema.train.ppo import flow_grpo_updates, restrict_to_flow_grpo_settings
 from policies.vla import VLAConfig, VLAPolicy
 from sim.rollout import collect, make_vector
 
@@ -128,3 +128,18 @@ def test_kl_to_the_reference_anchors_the_update():
         flow_grpo_updates(policy, torch.optim.SGD(policy.parameters(), lr=0.0), episodes, serials, runner.records,
                           epochs=1, batch_size=4, clip_range=0.2, noise_level=0.5, rng=np.random.default_rng(0),
                           kl_weight=0.1)
+
+
+def test_expert_only_updates_move_the_action_expert_and_nothing_else():
+    """πRL's train_expert_only: after an update the encoders are bit-identical, the expert moved, and the
+    baseline's own learning rate replaced the optimiser's."""
+    policy, runner, episodes, serials = one_informative_group()
+    start = {k: v.clone() for k, v in policy.state_dict().items()}
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4, weight_decay=0.01)
+    restrict_to_flow_grpo_settings(policy, optimizer, lr=1e-3, expert_only=True)
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-3]
+    stats = flow_grpo_updates(policy, optimizer, episodes, serials, runner.records, epochs=1, batch_size=4,
+                              clip_range=0.2, noise_level=0.5, rng=np.random.default_rng(0))
+    assert stats["ppo/updates"] > 0
+    moved = {k for k, v in policy.state_dict().items() if v.dtype.is_floating_point and not torch.equal(v, start[k])}
+    assert moved and all(k.startswith("expert.") for k in moved)

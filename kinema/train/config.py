@@ -74,6 +74,12 @@ class RLConfig:
     # target_kl 0.01 alone 23 %; + kl_weight 0.04 (Flow-GRPO's beta) 42 %; target_kl 0.005 + kl_weight 1.0 13 %.
     ppo_target_kl: float = 0.01  # stop a round's PPO updates once the approximate KL passes 1.5x this (0: off)
     ppo_kl_weight: float = 0.04  # Flow-GRPO's beta: KL of the SDE steps to the starting (SFT) policy (0: off)
+    # πRL's own settings (train_expert_only, lr 5e-6 on π0). With the rest of the policy trainable at rl.lr (1e-4) the
+    # baseline fell to 0 % on push and pick_place after one round: GRPO's gradient from ~6 successes a round is mostly
+    # noise, and Adam turns noise into lr-sized steps (push seed 0, round 1: weights moved 0.6 %, the fused features
+    # 20 %, the ODE actions 0.12). At 1e-5 it still fell (0-6 % by round 4); at 3e-6, expert only, it held 11 % (SFT 23 %).
+    ppo_lr: float = 3e-6  # flow_ppo's actor learning rate (0: rl.lr)
+    ppo_expert_only: bool = True  # flow_ppo trains the action expert only, the encoders frozen
     success_model: bool = True  # refit the eVTA_0 success-probability model every round (RLER) and log calibration
     habc: HABCOptions = field(default_factory=HABCOptions)
 
@@ -134,6 +140,8 @@ class TrainConfig:
         for name, value in (("rl.ppo_target_kl", self.rl.ppo_target_kl), ("rl.ppo_kl_weight", self.rl.ppo_kl_weight)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0 (0 turns it off); got {value}")
+        if self.rl.ppo_lr < 0:
+            raise ValueError(f"rl.ppo_lr must be >= 0 (0: use rl.lr); got {self.rl.ppo_lr}")
         if not 0.0 <= self.rl.demo_fraction <= 1.0:
             raise ValueError(f"rl.demo_fraction must be in [0, 1]; got {self.rl.demo_fraction}")
         for name, value in (("sft.steps", self.sft.steps), ("rl.rounds", self.rl.rounds), ("eval.episodes", self.eval.episodes)):

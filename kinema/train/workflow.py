@@ -35,7 +35,7 @@ from kinema.train.buffer import StepBuffer
 from kinema.train.config import REPLAY_MIXING, TrainConfig, dump_config
 from kinema.train.credit import CriticState, awr_step_weights, habc_step_weights, refit_success_model
 from kinema.train.evaluate import ChunkPolicy, EvalResult, evaluate, summarize
-from kinema.train.ppo import flow_grpo_updates
+from kinema.train.ppo import flow_grpo_updates, restrict_to_flow_grpo_settings
 from kinema.train.report import record_videos, write_curves, write_report
 from policies.checkpoint import atomic_file, set_aside, write_text_atomic
 from policies.vla import VLAConfig, VLAPolicy
@@ -406,6 +406,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     reference = None
     if method == "flow_ppo" and cfg.rl.ppo_kl_weight > 0:
         reference = VLAPolicy.from_pretrained(str(run.root / "checkpoints" / "sft")).requires_grad_(False).eval()
+    if method == "flow_ppo":
+        restrict_to_flow_grpo_settings(policy, optimizer, lr=cfg.rl.ppo_lr, expert_only=cfg.rl.ppo_expert_only)
     replay: list[list[Episode]] = [
         read_episodes(run.root / "rollouts" / f"round-{r:03d}")
         for r in range(max(1, start_round - cfg.rl.replay_rounds), start_round)
