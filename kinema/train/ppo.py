@@ -20,12 +20,14 @@ from diffusion_rl.flow import ppo_clip_loss, sde_kl_loss
 
 
 def restrict_to_flow_grpo_settings(policy: Any, optimizer: torch.optim.Optimizer, *, lr: float, expert_only: bool) -> None:
-    """The baseline's own learning rate (lr > 0) and, with expert_only, πRL's `train_expert_only`: every parameter
-    outside the action expert is frozen. Frozen parameters get no gradient, so AdamW skips them, weight decay
-    included."""
-    if lr > 0:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    """The baseline's own learning rate and, with expert_only, πRL's `train_expert_only`: every parameter outside the
+    action expert is frozen. Frozen parameters get no gradient, so AdamW skips them, weight decay included.
+
+    Always sets the rate: after a resume the optimiser holds the one it was saved with."""
+    if lr <= 0:
+        raise ValueError(f"flow_ppo's learning rate must be > 0; got {lr}")
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     if expert_only:
         policy.requires_grad_(False)
         policy.expert.requires_grad_(True)

@@ -407,7 +407,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     if method == "flow_ppo" and cfg.rl.ppo_kl_weight > 0:
         reference = VLAPolicy.from_pretrained(str(run.root / "checkpoints" / "sft")).requires_grad_(False).eval()
     if method == "flow_ppo":
-        restrict_to_flow_grpo_settings(policy, optimizer, lr=cfg.rl.ppo_lr, expert_only=cfg.rl.ppo_expert_only)
+        restrict_to_flow_grpo_settings(
+            policy, optimizer, lr=cfg.rl.ppo_lr or cfg.rl.lr, expert_only=cfg.rl.ppo_expert_only
+        )
     replay: list[list[Episode]] = [
         read_episodes(run.root / "rollouts" / f"round-{r:03d}")
         for r in range(max(1, start_round - cfg.rl.replay_rounds), start_round)
