@@ -77,7 +77,8 @@ class RLConfig:
     # πRL's own settings (train_expert_only, lr 5e-6 on π0). With the rest of the policy trainable at rl.lr (1e-4) the
     # baseline fell to 0 % on push and pick_place after one round: GRPO's gradient from ~6 successes a round is mostly
     # noise, and Adam turns noise into lr-sized steps (push seed 0, round 1: weights moved 0.6 %, the fused features
-    # 20 %, the ODE actions 0.12). At 1e-5 it still fell (0-6 % by round 4); at 3e-6, expert only, it held 11 % (SFT 23 %).
+    # 20 %, the ODE actions 0.12). At 1e-5 it still fell (0-6 % by round 4); at 3e-6, expert only: push 13 % (SFT 22),
+    # pick_place 9 % (SFT 15), but drawer 15 % where the old settings kept 32 % (SFT 44): no setting learns at this budget.
     ppo_lr: float = 3e-6  # flow_ppo's actor learning rate (0: rl.lr)
     ppo_expert_only: bool = True  # flow_ppo trains the action expert only, the encoders frozen
     success_model: bool = True  # refit the eVTA_0 success-probability model every round (RLER) and log calibration
