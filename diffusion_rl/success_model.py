@@ -141,6 +141,7 @@ def success_model_update(
     target_every: int = 16,
     failure_value: float | Tensor = 0.0,
     max_grad_norm: float | None = None,
+    target: Literal["td", "mc"] = "td",
 ) -> dict[str, float]:
     """One optimiser step of the TD success model, then the target update every `target_every` steps.
 
@@ -154,8 +155,14 @@ def success_model_update(
             "terminal" (B,); optional "has_next" (B,) (default: all True), "task", "failure_value" (B,),
             "mask" (B,) (samples to train on, e.g. `Credit.outcome_labelled` flattened).
         step: the optimiser step counter (0-based) of this update.
+        target: "td" (eVTA_0: bootstrap from the target network) or "mc" (ours: every step's target is its
+            episode's outcome z, the same undiscounted fixed point without bootstrapping; a round of a few hundred
+            steps propagates the terminal value only a few dozen frames back through TD, so long episodes stay
+            near the initial guess).
     Returns: {"loss", "p_mean", "target_mean", "n"} as floats.
     """
+    if target not in ("td", "mc"):
+        raise ValueError(f"target must be 'td' or 'mc'; got {target!r}")
     if target_every < 1:
         raise ValueError(f"target_every must be >= 1; got {target_every}")
     for key in ("x", "x_next", "outcome", "terminal"):
@@ -166,10 +173,13 @@ def success_model_update(
     has_next = batch.get("has_next", torch.ones_like(outcome, dtype=torch.bool))
     with torch.no_grad():
         p_next = torch.sigmoid(_call(target_model, batch, "x_next"))
+    terminal = batch["terminal"]
+    if target == "mc":  # every step takes its outcome as if terminal (has_next is then irrelevant)
+        terminal = torch.ones_like(terminal, dtype=torch.bool)
     y, mask = success_td_targets(
         p_next,
         outcome=outcome,
-        terminal=batch["terminal"],
+        terminal=terminal,
         has_next=has_next,
         failure_value=batch.get("failure_value", failure_value),
     )

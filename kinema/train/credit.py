@@ -144,7 +144,7 @@ def awr_step_weights(
 
 
 def refit_success_model(
-    critics: CriticState, episodes: Sequence[Episode], features: Sequence[Tensor], *, steps: int = 200
+    critics: CriticState, episodes: Sequence[Episode], features: Sequence[Tensor], *, steps: int = 200, target: str = "td"
 ) -> dict[str, float]:
     """RLER: score the new rollouts with the current model (calibration), then refit it on them (TD targets).
 
@@ -173,7 +173,8 @@ def refit_success_model(
     batch = {"x": x, "x_next": x_next, "outcome": outcome, "terminal": terminal}
     for _ in range(steps):
         stats = success_model_update(
-            critics.success, critics.success_target, critics.optimizers["success"], batch, step=critics.success_step
+            critics.success, critics.success_target, critics.optimizers["success"], batch, step=critics.success_step,
+            target=target,
         )
         critics.success_step += 1
     metrics["success_model/loss"] = stats["loss"]

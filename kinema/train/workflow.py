@@ -448,7 +448,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     # 4b. RLER: calibration of the success model on fresh rollouts, then refit.
                     if cfg.rl.success_model:
                         new_feats = features[-len(new) :]
-                        record.update(refit_success_model(critics, new, new_feats))
+                        record.update(refit_success_model(critics, new, new_feats, target=cfg.rl.success_target))
                     # 4c-d. Critics and per-step credit.
                     bar.update(job, status=f"round {r}: critics")
                     if method == "habc":
