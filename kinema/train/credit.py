@@ -146,7 +146,8 @@ def awr_step_weights(
 def refit_success_model(
     critics: CriticState, episodes: Sequence[Episode], features: Sequence[Tensor], *, steps: int = 200, target: str = "td"
 ) -> dict[str, float]:
-    """RLER: score the new rollouts with the current model (calibration), then refit it on them (TD targets).
+    """RLER: score the new rollouts with the current model (calibration), then refit it on them (eVTA_0's TD
+    targets, or with target="mc" each step's outcome: `rl.success_target`).
 
     `success_model/brier` beside `brier_base_rate` (the Brier score of always guessing the rollouts' own success rate)
     says whether the model knows more than the base rate. Measured on push and pick_place (2026-11-30): it did not
