@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kinema.train.evaluate import ChunkPolicy
-from kinema.train.ppo import flow_grpo_updates, restrict_to_flow_grpo_settings
+from kinema.train.ppo import flow_grpo_updates, gae_chunk_advantages, restrict_to_flow_grpo_settings
 from policies.vla import VLAConfig, VLAPolicy
 from sim.rollout import collect, make_vector
 
@@ -143,3 +143,49 @@ def test_expert_only_updates_move_the_action_expert_and_nothing_else():
     assert stats["ppo/updates"] > 0
     moved = {k for k, v in policy.state_dict().items() if v.dtype.is_floating_point and not torch.equal(v, start[k])}
     assert moved and all(k.startswith("expert.") for k in moved)
+
+
+def _episodes_with_outcomes(outcomes):
+    """Real push episodes (the Episode contract), their outcomes then set by hand."""
+    vector = make_vector("push", 2, image_size=32, config={"horizon": 6})
+    policy = tiny_policy()
+    episodes = collect(vector, ChunkPolicy(policy), list(range(len(outcomes))), task_id="push")
+    for ep, outcome in zip(episodes, outcomes):
+        ep.outcome = outcome
+    return episodes
+
+
+def test_gae_advantages_with_a_zero_critic_are_the_discounted_outcome_and_the_critic_learns_the_returns():
+    """With V = 0, GAE's advantage at step t of an episode that ends in success is (γλ)^(T-1-t), and 0 after a
+    failure: after normalisation every chunk of the success beats every chunk of the failure, and later chunks of
+    the success beat earlier ones. The critic is then regressed on the λ-returns."""
+    episodes = _episodes_with_outcomes([True, False])
+    serials = [10, 11]
+    records = {(s, step): None for s, ep in zip(serials, episodes) for step in range(0, len(ep), 2)}
+    value = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    torch.nn.init.zeros_(value[2].weight), torch.nn.init.zeros_(value[2].bias)
+    torch.manual_seed(0)
+    features = [torch.randn(len(ep), 4) for ep in episodes]
+    optimizer = torch.optim.Adam(value.parameters(), lr=1e-2)
+    adv, stats = gae_chunk_advantages(value, optimizer, episodes, features, serials, records, gamma=0.9, lam=0.5,
+                                      critic_steps=300)  # fmt: skip
+    assert set(adv) == set(records)
+    raw = {key: (0.9 * 0.5) ** (len(episodes[0]) - 1 - key[1]) if key[0] == 10 else 0.0 for key in records}
+    expected = torch.tensor([raw[k] for k in records])
+    expected = (expected - expected.mean()) / expected.std()
+    torch.testing.assert_close(torch.tensor([adv[k] for k in records]), expected, atol=1e-5, rtol=1e-5)
+    success = sorted((step, a) for (s, step), a in adv.items() if s == 10)
+    assert all(a1 < a2 for (_, a1), (_, a2) in zip(success, success[1:]))
+    assert min(a for (s, _), a in adv.items() if s == 10) > max(a for (s, _), a in adv.items() if s == 11)
+    # λ-return of the success's last step is its outcome, 1; of the failure's, 0 (V was 0 everywhere).
+    with torch.no_grad():
+        assert abs(float(value(features[0][-1])) - 1.0) < 0.1 and abs(float(value(features[1][-1]))) < 0.1
+    assert stats["gae/explained_variance"] > 0.9
+
+
+def test_gae_needs_aligned_inputs():
+    episodes = _episodes_with_outcomes([True, False])
+    value = torch.nn.Linear(4, 1)
+    with pytest.raises(ValueError, match="one serial and one feature array per episode; got 1 serials"):
+        gae_chunk_advantages(value, torch.optim.SGD(value.parameters(), lr=0.1), episodes,
+                             [torch.zeros(len(ep), 4) for ep in episodes], [0], {})  # fmt: skip

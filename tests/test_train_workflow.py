@@ -185,6 +185,27 @@ def test_flow_ppo_runs_and_resumes_with_its_reference(tmp_path: Path):
     assert all({"ppo/updates", "grpo/n_groups"} <= set(r) and r["grpo/n_groups"] == 1.0 for r in rounds)
 
 
+@pytest.mark.slow
+def test_flow_ppo_with_a_critic_rolls_out_distinct_seeds_and_fits_its_value_head(tmp_path: Path):
+    """rl.ppo_advantage gae: no GRPO groups (every rollout its own seed), GAE advantages from the value head, which is
+    fitted on the λ-returns every round; its PPO updates run even when every rollout fails."""
+    run = tmp_path / "run"
+    args = ["--rl.method", "flow_ppo", "--rl.ppo_advantage", "gae", "--eval.heldout", "false", "--eval.videos", "0"]
+    result = kinema("train", *TINY, *args, "--rl.rounds", "1", "--out", str(run))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (round_record,) = [r for r in records if r["kind"] == "round"]
+    assert "grpo/n_groups" not in round_record and round_record["ppo/updates"] > 0
+    assert {"gae/explained_variance", "gae/value_loss"} <= set(round_record)
+    seeds = [ep.seed for ep in read_episodes(run / "rollouts" / "round-001")]
+    assert len(seeds) == len(set(seeds)) > 1
+
+
+def test_unknown_ppo_advantage_is_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match="rl.ppo_advantage must be one of grpo, gae; got 'vtrace'"):
+        load_config(None, ["--rl.ppo_advantage", "vtrace"])
+
+
 def test_negative_ppo_trust_region_settings_are_refused():
     with pytest.raises(ValueError, match=r"rl.ppo_kl_weight must be >= 0 \(0 turns it off\); got -0.1"):
         load_config(None, ["--rl.ppo_kl_weight", "-0.1"])

@@ -18,6 +18,7 @@ import yaml
 from kinema.paths import assets_dir
 
 RL_METHODS = ("habc", "sft_continued", "awr", "flow_ppo", "none")
+PPO_ADVANTAGES = ("grpo", "gae")
 REPLAY_MIXING = ("fixed", "pooled")
 
 
@@ -65,7 +66,9 @@ class RLConfig:
     replay_rounds: int = 3  # rollouts of this many recent rounds are kept
     interventions: bool = False  # a simulated human monitors the policy and takes over before failures
     awr_temperature: float = 1.0  # single-critic AWR baseline: w = exp(A / temperature), clipped
-    group_size: int = 4  # flow_ppo: rollouts per seed (GRPO groups)
+    ppo_advantage: str = "grpo"  # flow_ppo: grpo (group-relative, rollouts in seed groups) | gae (PPO with a critic)
+    group_size: int = 4  # flow_ppo with grpo: rollouts per seed (GRPO groups)
+    ppo_gae_lambda: float = 0.95  # flow_ppo with gae: GAE's λ (γ = 0.99, as the AWR baseline's returns)
     ppo_clip: float = 0.2  # flow_ppo: clip range on the ratio of mean-reduced per-step log-probs
     ppo_noise_level: float = 0.5  # flow_ppo: Flow-SDE noise level a (σ_t = a·sqrt(t / (1 − t)))
     ppo_epochs: int = 2
@@ -147,6 +150,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0 (0 turns it off); got {value}")
         if self.rl.success_target not in ("td", "mc"):
             raise ValueError(f"rl.success_target {self.rl.success_target!r} is not known; valid: td, mc")
+        if self.rl.ppo_advantage not in PPO_ADVANTAGES:
+            raise ValueError(f"rl.ppo_advantage must be one of {', '.join(PPO_ADVANTAGES)}; got {self.rl.ppo_advantage!r}")
         if self.rl.ppo_lr < 0:
             raise ValueError(f"rl.ppo_lr must be >= 0 (0: use rl.lr); got {self.rl.ppo_lr}")
         if not 0.0 <= self.rl.demo_fraction <= 1.0:

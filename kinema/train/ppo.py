@@ -1,20 +1,26 @@
 """The Flow-SDE policy-gradient baseline (πRL / Flow-GRPO style) for the VLA.
 
-Rollouts sample each action chunk with Flow-SDE steps and record every step's Gaussian log-prob. Episodes are
-rolled out in groups sharing a seed; the sparse outcome gives GRPO advantages within each group (groups where
-every episode ended alike carry no signal: dropped and counted). Each recorded denoising step is then a PPO
-sample: clipped ratio of its log-prob under the current model to the one at rollout time.
+Rollouts sample each action chunk with Flow-SDE steps and record every step's Gaussian log-prob. Each executed
+chunk then gets an advantage, in one of πRL's two ways (`rl.ppo_advantage`):
+- grpo: episodes are rolled out in groups sharing a seed; the sparse outcome gives GRPO advantages within each
+  group (groups where every episode ended alike carry no signal: dropped and counted);
+- gae: PPO with a critic. A value head on the policy's features gives GAE advantages from the sparse outcome at
+  the chunk's first step, and is then regressed on the λ-returns. Every episode carries a signal.
+Each recorded denoising step is then a PPO sample: clipped ratio of its log-prob under the current model to the
+one at rollout time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor, nn
 
-from diffusion_rl.advantages import grpo_advantages
+from diffusion_rl.advantages import gae, grpo_advantages
 from diffusion_rl.data import Episode
 from diffusion_rl.flow import ppo_clip_loss, sde_kl_loss
 
@@ -33,12 +39,99 @@ def restrict_to_flow_grpo_settings(policy: Any, optimizer: torch.optim.Optimizer
         policy.expert.requires_grad_(True)
 
 
+ChunkKey = tuple[int, int]  # (episode serial, env step at which the chunk was computed): ChunkPolicy.records' key
+
+
+def grpo_chunk_advantages(
+    episodes: Sequence[Episode], serials: Sequence[int], records: Mapping[ChunkKey, Any]
+) -> tuple[dict[ChunkKey, float], dict[str, float]]:
+    """GRPO: each chunk gets its episode's outcome advantage within the group of episodes sharing a seed."""
+    if len(serials) != len(episodes):
+        raise ValueError(f"need one serial per episode; got {len(serials)} for {len(episodes)} episodes")
+    rewards = torch.tensor([float(ep.outcome) for ep in episodes])
+    groups = torch.tensor([int(ep.seed) for ep in episodes])
+    adv = grpo_advantages(rewards, groups)
+    per_episode = dict(zip(serials, adv.advantages.tolist()))
+    advantages = {key: per_episode[key[0]] for key in records if key[0] in per_episode}
+    return advantages, {f"grpo/{k}": float(v) for k, v in adv.stats.items()}
+
+
+def gae_chunk_advantages(
+    value: nn.Module,
+    value_optimizer: torch.optim.Optimizer,
+    episodes: Sequence[Episode],
+    features: Sequence[Tensor],
+    serials: Sequence[int],
+    records: Mapping[ChunkKey, Any],
+    *,
+    gamma: float = 0.99,
+    lam: float = 0.95,
+    critic_steps: int = 200,
+) -> tuple[dict[ChunkKey, float], dict[str, float]]:
+    """PPO with a critic: GAE(γ, λ) advantages at each chunk's first step, normalised over the round's chunks.
+
+    The reward is the sparse outcome at an episode's last step, which ends it (terminated, no bootstrap). The
+    advantages use the critic as it was before this round (PPO's order: a critic fitted to these very episodes
+    first would explain their returns away); then the critic is regressed on the λ-returns for critic_steps.
+    """
+    if not (len(serials) == len(episodes) == len(features)):
+        raise ValueError(
+            f"need one serial and one feature array per episode; got {len(serials)} serials and {len(features)} "
+            f"feature arrays for {len(episodes)} episodes"
+        )
+    lengths = [len(ep) for ep in episodes]
+    n, t_max = len(episodes), max(lengths)
+    valid = torch.arange(t_max)[None] < torch.tensor(lengths)[:, None]
+    last = torch.zeros(n, t_max, dtype=torch.bool)
+    last[torch.arange(n), torch.tensor(lengths) - 1] = True
+    rewards = last.float() * torch.tensor([float(ep.outcome) for ep in episodes])[:, None]
+    x = torch.zeros(n, t_max, features[0].shape[-1])
+    for i, f in enumerate(features):
+        x[i, : len(f)] = f
+    with torch.no_grad():
+        values = value(x).squeeze(-1) * valid
+    next_values = torch.cat([values[:, 1:], torch.zeros(n, 1)], dim=1)
+    adv, returns = gae(rewards, values, next_values, terminated=last, truncated=torch.zeros_like(last), valid=valid,
+                       gamma=gamma, lam=lam)  # fmt: skip
+    row = {serial: i for i, serial in enumerate(serials)}
+    keys = [key for key in records if key[0] in row]
+    raw = torch.stack([adv[row[s], step] for s, step in keys]) if keys else torch.zeros(0)
+    normalised = (raw - raw.mean()) / (raw.std() + 1e-8) if len(raw) > 1 else raw
+    # The critic's regression on the λ-returns, over every valid step.
+    xs, ys = x[valid], returns[valid]
+    for _ in range(critic_steps):
+        loss = (value(xs).squeeze(-1) - ys).pow(2).mean()
+        value_optimizer.zero_grad()
+        loss.backward()
+        value_optimizer.step()
+    with torch.no_grad():
+        explained = 1 - float((ys - value(xs).squeeze(-1)).var() / ys.var().clamp(min=1e-8))
+    stats = {
+        "gae/adv_std": float(raw.std()) if len(raw) > 1 else 0.0,
+        "gae/value_loss": float(loss.detach()) if critic_steps else float("nan"),
+        "gae/explained_variance": explained,
+    }
+    return dict(zip(keys, normalised.tolist())), stats
+
+
 def flow_grpo_updates(
     policy: Any,
     optimizer: torch.optim.Optimizer,
     episodes: Sequence[Episode],
     serials: Sequence[int],
-    records: dict[tuple[int, int], dict[str, Any]],
+    records: Mapping[ChunkKey, dict[str, Any]],
+    **kwargs: Any,
+) -> dict[str, float]:
+    """Flow-GRPO: group-relative advantages, then `flow_ppo_updates`."""
+    advantages, stats = grpo_chunk_advantages(episodes, serials, records)
+    return {**flow_ppo_updates(policy, optimizer, records, advantages, **kwargs), **stats}
+
+
+def flow_ppo_updates(
+    policy: Any,
+    optimizer: torch.optim.Optimizer,
+    records: Mapping[ChunkKey, dict[str, Any]],
+    advantages: Mapping[ChunkKey, float],
     *,
     epochs: int,
     batch_size: int,
@@ -50,7 +143,7 @@ def flow_grpo_updates(
     kl_weight: float = 0.0,
     on_step=None,
 ) -> dict[str, float]:
-    """PPO epochs over every recorded stochastic denoising step of the episodes' chunks.
+    """PPO epochs over every recorded stochastic denoising step of the chunks with a non-zero advantage.
 
     target_kl > 0: the round's updates stop once a minibatch's approximate KL to the rollout policy (measured before
     its update) passes 1.5 × target_kl; like CleanRL's `target_kl`, the check follows the update, so the update that
@@ -63,17 +156,10 @@ def flow_grpo_updates(
     """
     if kl_weight > 0 and reference is None:
         raise ValueError("kl_weight > 0 needs the reference policy")
-    # 1. GRPO advantages per episode, from the sparse outcome, within groups of episodes sharing a seed.
-    if len(serials) != len(episodes):
-        raise ValueError(f"need one serial per episode; got {len(serials)} for {len(episodes)} episodes")
-    rewards = torch.tensor([float(ep.outcome) for ep in episodes])
-    groups = torch.tensor([int(ep.seed) for ep in episodes])
-    adv = grpo_advantages(rewards, groups)
-    advantage = dict(zip(serials, adv.advantages.tolist()))
-    # 2. Every stochastic denoising step of every chunk of an informative episode is one PPO sample.
+    # Every stochastic denoising step of every chunk with a signal is one PPO sample.
     samples: list[tuple[dict[str, Any], int, float]] = []
-    for (serial, _step), rec in records.items():
-        a = advantage.get(serial, 0.0)
+    for key, rec in records.items():
+        a = advantages.get(key, 0.0)
         if a != 0.0:
             for k in range(rec["log_prob"].shape[0] - 1):  # the last denoising step is deterministic (no log-prob)
                 samples.append((rec, k, a))
@@ -113,7 +199,6 @@ def flow_grpo_updates(
     out = {f"ppo/{k}": float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
     out["ppo/samples"] = len(samples)
     out["ppo/updates"] = len(stats["loss"])
-    out.update({f"grpo/{k}": float(v) for k, v in adv.stats.items()})
     return out
 
 

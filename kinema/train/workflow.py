@@ -35,7 +35,12 @@ from kinema.train.buffer import StepBuffer
 from kinema.train.config import REPLAY_MIXING, TrainConfig, dump_config
 from kinema.train.credit import CriticState, awr_step_weights, habc_step_weights, refit_success_model
 from kinema.train.evaluate import ChunkPolicy, EvalResult, evaluate, summarize
-from kinema.train.ppo import flow_grpo_updates, restrict_to_flow_grpo_settings
+from kinema.train.ppo import (
+    flow_ppo_updates,
+    gae_chunk_advantages,
+    grpo_chunk_advantages,
+    restrict_to_flow_grpo_settings,
+)
 from kinema.train.report import record_videos, write_curves, write_report
 from policies.checkpoint import atomic_file, set_aside, write_text_atomic
 from policies.vla import VLAConfig, VLAPolicy
@@ -431,8 +436,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     bar.update(job, status=f"round {r}: rollouts")
                     first = ROLLOUT_SEED_OFFSET + r * 1000
                     runner, serials = None, []
-                    if method == "flow_ppo":  # GRPO groups: several rollouts per seed, chunks sampled with the SDE
-                        seeds = [first + j // cfg.rl.group_size for j in range(cfg.rl.episodes_per_round)]
+                    if method == "flow_ppo":  # chunks sampled with the SDE; GRPO: several rollouts per seed
+                        per_seed = cfg.rl.group_size if cfg.rl.ppo_advantage == "grpo" else 1
+                        seeds = [first + j // per_seed for j in range(cfg.rl.episodes_per_round)]
                         runner = ChunkPolicy(acting, sde_noise=cfg.rl.ppo_noise_level)
                     else:
                         seeds = list(range(first, first + cfg.rl.episodes_per_round))
@@ -459,8 +465,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                         per_step, diag = awr_step_weights(
                             critics, episodes, features, temperature=cfg.rl.awr_temperature, critic_steps=cfg.rl.habc.critic_steps
                         )  # fmt: skip
+                    elif method == "flow_ppo" and cfg.rl.ppo_advantage == "gae":
+                        per_step = None
+                        chunk_advantages, diag = gae_chunk_advantages(
+                            critics.value, critics.optimizers["value"], new, features[-len(new) :], serials,
+                            runner.records, lam=cfg.rl.ppo_gae_lambda, critic_steps=cfg.rl.habc.critic_steps,
+                        )  # fmt: skip
                     elif method == "flow_ppo":
-                        per_step, diag = None, {}
+                        per_step = None
+                        chunk_advantages, diag = grpo_chunk_advantages(new, serials, runner.records)
                     else:
                         raise ValueError(f"rl.method {method!r} has no credit rule")
                     if per_step is not None:
@@ -470,8 +483,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                 # 4e. Actor: weighted flow matching on replay + demos (or PPO on the SDE log-probs for flow_ppo).
                 bar.update(job, status=f"round {r}: actor")
                 if method == "flow_ppo":
-                    stats = flow_grpo_updates(
-                        policy, optimizer, new, serials, runner.records, epochs=cfg.rl.ppo_epochs,
+                    stats = flow_ppo_updates(
+                        policy, optimizer, runner.records, chunk_advantages, epochs=cfg.rl.ppo_epochs,
                         batch_size=cfg.rl.batch_size, clip_range=cfg.rl.ppo_clip, noise_level=cfg.rl.ppo_noise_level, rng=rng,
                         target_kl=cfg.rl.ppo_target_kl, reference=reference, kl_weight=cfg.rl.ppo_kl_weight,
                     )  # fmt: skip
