@@ -123,7 +123,7 @@ class PolicyOptions:
 class TrainConfig:
     task: str = "drawer"  # the task family (kinema sim list); drawer is the quickest to learn on a CPU
     task_config: dict[str, Any] = field(default_factory=dict)  # overrides of the task's difficulty config
-    out: str = ""  # run folder; default runs/<task>-<method>-<seed>
+    out: str = ""  # run folder; default runs/<task>-<method>-s<seed>
     seed: int = 0
     num_envs: int = 8  # envs per rollout batch
     workers: int = 2  # env worker processes (0: step envs in this process)

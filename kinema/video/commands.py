@@ -15,7 +15,7 @@ def add_video_commands(sub: argparse._SubParsersAction) -> None:
         "train",
         help="pre-train a tiny video flow model on sim videos, then post-train it toward rewards",
         description="With no arguments: collect sim rollout videos, fit the task-success reward on them, pre-train "
-        "a tiny video flow model, then post-train it with VideoAWR toward task success (about 15 minutes on 2 CPU "
+        "a tiny video flow model, then post-train it with VideoAWR toward task success (about 10 minutes on 2 CPU "
         "cores). Any config key can be overridden as --key.sub value (e.g. --train.method nft --train.rounds 4).",
         epilog=config_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
