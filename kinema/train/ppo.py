@@ -97,15 +97,15 @@ def gae_chunk_advantages(
     keys = [key for key in records if key[0] in row]
     raw = torch.stack([adv[row[s], step] for s, step in keys]) if keys else torch.zeros(0)
     normalised = (raw - raw.mean()) / (raw.std() + 1e-8) if len(raw) > 1 else raw
-    # The critic's regression on the λ-returns, over every valid step.
+    # The critic's regression on the λ-returns, over every valid step. Explained variance as CleanRL logs it: of the
+    # values the advantages used (the critic before this round's fit) against the λ-returns.
     xs, ys = x[valid], returns[valid]
+    explained = 1 - float((ys - values[valid]).var() / ys.var().clamp(min=1e-8))
     for _ in range(critic_steps):
         loss = (value(xs).squeeze(-1) - ys).pow(2).mean()
         value_optimizer.zero_grad()
         loss.backward()
         value_optimizer.step()
-    with torch.no_grad():
-        explained = 1 - float((ys - value(xs).squeeze(-1)).var() / ys.var().clamp(min=1e-8))
     stats = {
         "gae/adv_std": float(raw.std()) if len(raw) > 1 else 0.0,
         "gae/value_loss": float(loss.detach()) if critic_steps else float("nan"),
