@@ -14,7 +14,8 @@ then branches from that same checkpoint and the same demonstrations, through the
     habc_nogate    ablation: fixed mix instead of the state-adaptive gate
     habc_nocredit  ablation: no intervention-aware credit (with the human in the loop, where it matters)
 
-    flow_ppo       Flow-SDE GRPO/PPO on the denoising steps' log-probs (the πRL-style baseline)
+    flow_ppo       Flow-SDE GRPO on the denoising steps' log-probs (the πRL-style baseline)
+    flow_ppo_gae   the same with PPO's critic (GAE advantages) instead of GRPO groups, πRL's other arm
 
 Last line: one JSON object, one entry per method with success, heldout_success, steps_to_success and
 gain_over_sft (success points over SFT), each success with its standard error; `_meta.task_run_minutes` is the
@@ -53,6 +54,7 @@ METHODS: dict[str, list[str]] = {
     "sft_continued": ["--rl.method", "sft_continued"],
     "awr": ["--rl.method", "awr"],
     "flow_ppo": ["--rl.method", "flow_ppo"],
+    "flow_ppo_gae": ["--rl.method", "flow_ppo", "--rl.ppo_advantage", "gae"],
     "habc": ["--rl.method", "habc"],
     # our variant: V_e regresses on observed steps-to-success instead of the paper's TD target
     "habc_mc": ["--rl.method", "habc", "--rl.habc.efficiency_target", "mc", "--rl.habc.value_scale", "50"],
@@ -61,6 +63,8 @@ METHODS: dict[str, list[str]] = {
     "habc_nogate": ["--rl.method", "habc", "--rl.habc.gate", "fixed_mix"],
     "habc_nocredit": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_credit", "false"],
 }
+
+BASELINES = ("sft", "sft_continued", "awr", "flow_ppo", "flow_ppo_gae")  # HABC's margin is over the best of these
 
 QUICK = [
     "--demos.episodes", "8", "--sft.steps", "40", "--sft.batch_size", "16", "--rl.rounds", "1",
@@ -279,7 +283,7 @@ def main() -> None:
     by_task: dict[str, dict] = {}
     for task, entries in per_task.items():
         by_task[task] = {m: round(float(np.mean(v)), 4) for m, v in entries.items()}
-        baselines = [by_task[task][m] for m in ("sft", "sft_continued", "awr", "flow_ppo") if m in by_task[task]]
+        baselines = [by_task[task][m] for m in BASELINES if m in by_task[task]]
         if "habc" in by_task[task] and baselines:
             by_task[task]["habc_margin_over_best_baseline"] = round(by_task[task]["habc"] - max(baselines), 4)
         print(f"{task:<12} " + "  ".join(f"{m} {100 * v:.0f}" for m, v in by_task[task].items() if m != "habc_margin_over_best_baseline")
