@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from kinema.train.evaluate import ChunkPolicy
-from kinema.train.ppo import flow_grpo_updates, gae_chunk_advantages, restrict_to_flow_grpo_settings
+from kinema.train.ppo import (
+    flow_grpo_updates,
+    gae_chunk_advantages,
+    grpo_chunk_advantages,
+    restrict_to_flow_grpo_settings,
+)
 from policies.vla import VLAConfig, VLAPolicy
 from sim.rollout import collect, make_vector
 
@@ -45,7 +50,8 @@ def test_every_executed_chunk_is_recorded_and_ratios_start_at_one():
     policy.eval()
     for rec in list(runner.records.values())[:5]:
         batch = {k: (v[None] if torch.is_tensor(v) else [v]) for k, v in rec["obs"].items()}
-        for k in range(rec["log_prob"].shape[0] - 1):
+        assert rec["log_prob"].shape[0] == 4  # every denoising step is stochastic, the last one included
+        for k in range(rec["log_prob"].shape[0]):
             step = policy.sde_log_prob(
                 {**batch, "x_t": rec["x_t"][k][None], "t": rec["t"][k][None], "t_next": rec["t_next"][k][None],
                  "x_next": rec["x_next"][k][None]},
@@ -69,7 +75,7 @@ def test_grpo_update_uses_only_informative_groups():
     assert stats["grpo/n_degenerate_groups"] == 1.0 and stats["grpo/n_groups"] == 2.0
     group = {serial for ep, serial in zip(episodes, serials) if ep.seed == episodes[0].seed}
     chunks = sum(1 for (s, _) in runner.records if s in group)
-    assert len(group) == 2 and stats["ppo/samples"] == chunks * 3  # K - 1 = 3 stochastic steps per chunk
+    assert len(group) == 2 and stats["ppo/samples"] == chunks * 4  # K = 4 stochastic steps per chunk
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
@@ -156,9 +162,9 @@ def _episodes_with_outcomes(outcomes):
 
 
 def test_gae_advantages_with_a_zero_critic_are_the_discounted_outcome_and_the_critic_learns_the_returns():
-    """With V = 0, GAE's advantage at step t of an episode that ends in success is (γλ)^(T-1-t), and 0 after a
-    failure: after normalisation every chunk of the success beats every chunk of the failure, and later chunks of
-    the success beat earlier ones. The critic is then regressed on the λ-returns."""
+    """On the chunk-level MDP with V = 0, the advantage of chunk j of m in an episode that ends in success is
+    (γ^n·λ)^(m-1-j), and 0 after a failure: after normalisation every chunk of the success beats every chunk of
+    the failure, and later chunks of the success beat earlier ones. The critic is then regressed on the λ-returns."""
     episodes = _episodes_with_outcomes([True, False])
     serials = [10, 11]
     records = {(s, step): None for s, ep in zip(serials, episodes) for step in range(0, len(ep), 2)}
@@ -167,21 +173,39 @@ def test_gae_advantages_with_a_zero_critic_are_the_discounted_outcome_and_the_cr
     torch.manual_seed(0)
     features = [torch.randn(len(ep), 4) for ep in episodes]
     optimizer = torch.optim.Adam(value.parameters(), lr=1e-2)
-    adv, stats = gae_chunk_advantages(value, optimizer, episodes, features, serials, records, gamma=0.9, lam=0.5,
-                                      critic_steps=300)  # fmt: skip
+    adv, stats = gae_chunk_advantages(value, optimizer, episodes, features, serials, records, chunk_steps=2,
+                                      gamma=0.9, lam=0.5, critic_steps=300)  # fmt: skip
     assert set(adv) == set(records)
-    raw = {key: (0.9 * 0.5) ** (len(episodes[0]) - 1 - key[1]) if key[0] == 10 else 0.0 for key in records}
+    m = len(range(0, len(episodes[0]), 2))
+    raw = {key: (0.9**2 * 0.5) ** (m - 1 - key[1] // 2) if key[0] == 10 else 0.0 for key in records}
     expected = torch.tensor([raw[k] for k in records])
     expected = (expected - expected.mean()) / expected.std()
     torch.testing.assert_close(torch.tensor([adv[k] for k in records]), expected, atol=1e-5, rtol=1e-5)
     success = sorted((step, a) for (s, step), a in adv.items() if s == 10)
     assert all(a1 < a2 for (_, a1), (_, a2) in zip(success, success[1:]))
     assert min(a for (s, _), a in adv.items() if s == 10) > max(a for (s, _), a in adv.items() if s == 11)
-    # λ-return of the success's last step is its outcome, 1; of the failure's, 0 (V was 0 everywhere).
+    # The critic sees the chunks' first steps; the λ-return of the success's last chunk is its outcome, 1, and of
+    # the failure's, 0 (V was 0 everywhere).
+    last = 2 * (m - 1)
     with torch.no_grad():
-        assert abs(float(value(features[0][-1])) - 1.0) < 0.1 and abs(float(value(features[1][-1]))) < 0.1
+        assert abs(float(value(features[0][last])) - 1.0) < 0.1 and abs(float(value(features[1][last]))) < 0.1
     # Measured before the fit: the zero critic explained none of the returns' variance.
     assert stats["gae/explained_variance"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_grpo_weighs_every_episode_the_same_however_many_chunks_it_has():
+    """A success with 1 chunk and a failure with 3 in one group: GRPO advantages ±a per episode, scaled so that
+    the per-sample advantages sum to zero (unscaled they would sum to -2a: 'make every sample less likely')."""
+    episodes = _episodes_with_outcomes([True, False])
+    for ep in episodes:
+        ep.seed = 7
+    serials = [0, 1]
+    records = {(0, 0): None, (1, 0): None, (1, 2): None, (1, 4): None}
+    adv, stats = grpo_chunk_advantages(episodes, serials, records)
+    assert stats["grpo/n_groups"] == 1.0
+    assert adv[(0, 0)] > 0 and all(adv[(1, s)] < 0 for s in (0, 2, 4))
+    assert sum(adv.values()) == pytest.approx(0.0, abs=1e-6)
+    assert adv[(0, 0)] == pytest.approx(-3 * adv[(1, 0)])
 
 
 def test_gae_needs_aligned_inputs():
@@ -189,4 +213,4 @@ def test_gae_needs_aligned_inputs():
     value = torch.nn.Linear(4, 1)
     with pytest.raises(ValueError, match="one serial and one feature array per episode; got 1 serials"):
         gae_chunk_advantages(value, torch.optim.SGD(value.parameters(), lr=0.1), episodes,
-                             [torch.zeros(len(ep), 4) for ep in episodes], [0], {})  # fmt: skip
+                             [torch.zeros(len(ep), 4) for ep in episodes], [0], {}, chunk_steps=2)  # fmt: skip

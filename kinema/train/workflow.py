@@ -469,7 +469,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                         per_step = None
                         chunk_advantages, diag = gae_chunk_advantages(
                             critics.value, critics.optimizers["value"], new, features[-len(new) :], serials,
-                            runner.records, lam=cfg.rl.ppo_gae_lambda, critic_steps=cfg.rl.habc.critic_steps,
+                            runner.records, chunk_steps=acting.config.n_action_steps, lam=cfg.rl.ppo_gae_lambda,
+                            critic_steps=cfg.rl.habc.critic_steps,
                         )  # fmt: skip
                     elif method == "flow_ppo":
                         per_step = None

@@ -35,6 +35,7 @@ from diffusion_rl.flow import (
     flow_matching_loss,
     interpolate,
     sample_time,
+    sde_sample,
     sde_step_with_logprob,
     time_schedule,
     velocity_target,
@@ -262,7 +263,8 @@ class VLAPolicy(nn.Module):
     def sample_chunk_sde(
         self, batch: Mapping[str, Any], *, noise_level: float = 0.7
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Sample a chunk with Flow-SDE steps, recording every step for PPO/GRPO (the πRL baseline).
+        """Sample a chunk with Flow-SDE steps (`diffusion_rl.flow.sde_sample`: every step stochastic, the last one
+        included, as in Flow-GRPO), recording every step for PPO/GRPO (the πRL baseline).
 
         Returns the chunk and {"x_t": (B, K, H, A), "t": (K,), "t_next": (K,), "x_next": (B, K, H, A),
         "log_prob": (B, K)}.
@@ -270,27 +272,17 @@ class VLAPolicy(nn.Module):
         with torch.no_grad():
             context = self.features(batch)
             B = context.shape[0]
-            x = torch.randn(B, self.config.chunk_size, self.config.action_dim, device=self.device)
+            noise = torch.randn(B, self.config.chunk_size, self.config.action_dim, device=self.device)
             sched = time_schedule(self.config.num_flow_steps, device=self.device)
-            xs, nexts, logps = [], [], []
-            for i in range(len(sched) - 1):
-                t, t_next = sched[i].expand(B), sched[i + 1].expand(B)
-                if i == len(sched) - 2:  # the last step is deterministic (σ→0 at t=0): keep it Euler, no log-prob
-                    x_new = x + (sched[i + 1] - sched[i]) * self.expert(x, t, context)
-                    step_lp = torch.zeros(B, device=self.device)
-                else:
-                    step = sde_step_with_logprob(self.expert(x, t, context), x, t, t_next, noise_level=noise_level)
-                    x_new, step_lp = step.sample, step.log_prob
-                xs.append(x)
-                nexts.append(x_new)
-                logps.append(step_lp)
-                x = x_new
+            x, states, nexts, log_probs = sde_sample(
+                lambda x, t: self.expert(x, t, context), noise, schedule=sched, noise_level=noise_level
+            )
         record = {
-            "x_t": torch.stack(xs, 1),
+            "x_t": states.transpose(0, 1),
             "t": sched[:-1],
             "t_next": sched[1:],
-            "x_next": torch.stack(nexts, 1),
-            "log_prob": torch.stack(logps, 1),
+            "x_next": nexts.transpose(0, 1),
+            "log_prob": log_probs.transpose(0, 1),
         }
         return x.clamp(-1.0, 1.0), record
 
