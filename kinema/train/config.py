@@ -87,7 +87,8 @@ class RLConfig:
     success_model: bool = True  # refit the eVTA_0 success-probability model every round (RLER) and log calibration
     # Its targets: td (eVTA_0) | mc (ours, every step's target is the outcome). In a push seed-0 HABC run, rounds 2-4
     # (scored before each refit): ECE td 0.42-0.46, mc 0.06-0.10; terminal Brier td 0.20-0.24, mc 0.08-0.15 against the
-    # base rate's 0.11-0.15 (td never beat it, mc in 2 of 3 rounds).
+    # base rate's 0.11-0.15 (td never beat it, mc in 2 of 3 rounds). Fitted on the last 3 rounds instead of the newest
+    # (offline, same run): no better with either target (terminal Brier mc 0.18/0.14/0.29 against 0.15/0.15/0.28).
     success_target: str = "td"
     habc: HABCOptions = field(default_factory=HABCOptions)
 
