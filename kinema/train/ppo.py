@@ -4,17 +4,17 @@ Rollouts sample each action chunk with Flow-SDE steps and record every step's Ga
 chunk then gets an advantage, in one of πRL's two ways (`rl.ppo_advantage`):
 - grpo: episodes are rolled out in groups sharing a seed; the sparse outcome gives GRPO advantages within each
   group (groups where every episode ended alike carry no signal: dropped and counted);
-- gae: PPO with a critic. A value head on the policy's features gives GAE advantages from the sparse outcome at
-  the chunk's first step, and is then regressed on the λ-returns. Every episode carries a signal.
+- gae: PPO with a critic, on the chunk-level MDP. A value head on the policy's features at each chunk's first step
+  gives GAE advantages from the sparse outcome, and is then regressed on the λ-returns. Every episode carries a
+  signal.
 Each recorded denoising step is then a PPO sample: clipped ratio of its log-prob under the current model to the
 one at rollout time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
