@@ -204,6 +204,8 @@ def test_flow_ppo_with_a_critic_rolls_out_distinct_seeds_and_fits_its_value_head
 def test_unknown_ppo_advantage_is_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match="rl.ppo_advantage must be one of grpo, gae; got 'vtrace'"):
         load_config(None, ["--rl.ppo_advantage", "vtrace"])
+    with pytest.raises(ValueError, match=r"rl.ppo_gae_lambda must be in \[0, 1\]; got 1.5"):
+        load_config(None, ["--rl.ppo_gae_lambda", "1.5"])
 
 
 def test_negative_ppo_trust_region_settings_are_refused():

@@ -153,6 +153,8 @@ class TrainConfig:
             raise ValueError(f"rl.success_target {self.rl.success_target!r} is not known; valid: td, mc")
         if self.rl.ppo_advantage not in PPO_ADVANTAGES:
             raise ValueError(f"rl.ppo_advantage must be one of {', '.join(PPO_ADVANTAGES)}; got {self.rl.ppo_advantage!r}")
+        if not 0.0 <= self.rl.ppo_gae_lambda <= 1.0:
+            raise ValueError(f"rl.ppo_gae_lambda must be in [0, 1]; got {self.rl.ppo_gae_lambda}")
         if self.rl.ppo_lr < 0:
             raise ValueError(f"rl.ppo_lr must be >= 0 (0: use rl.lr); got {self.rl.ppo_lr}")
         if not 0.0 <= self.rl.demo_fraction <= 1.0:
