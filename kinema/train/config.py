@@ -72,8 +72,8 @@ class RLConfig:
     # better (33 % against 19 %; SFT 44 %): the critic, fitted on earlier rounds, predicted a round worse than a constant.
     ppo_gae_lambda: float = 0.95
     ppo_clip: float = 0.2  # flow_ppo: clip range on the ratio of mean-reduced per-step log-probs
-    # flow_ppo: Flow-SDE noise level a (σ_t = a·sqrt(t / (1 − t))). Drawer, 2 seeds, GRPO: 0.3 reached 42 % (SFT 44 %),
-    # 0.5 26 %: at 0.5 the SDE rollouts succeed far less often than the ODE policy that is evaluated.
+    # flow_ppo: Flow-SDE noise level a (σ_t = a·sqrt(t / (1 − t))). GRPO, 2 seeds: 0.3 reached 42 % on drawer (0.5: 26 %,
+    # SFT 44 %), 16 % on push (0.5: 13 %, SFT 22 %): at 0.5 the SDE rollouts succeed far less often than the ODE policy.
     ppo_noise_level: float = 0.5
     ppo_epochs: int = 2
     # flow_ppo's trust region. Without both, the tiny VLA moved 0.3-2.9 nats per log-prob element per round and fell
