@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_board import scalars
 
 from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.train.config import load_config
@@ -31,7 +32,7 @@ def kinema(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
     run = tmp_path / "run"
-    first = kinema("train", *TINY, "--rl.rounds", "1", "--rl.interventions", "true", "--out", str(run))
+    first = kinema("train", *TINY, "--rl.rounds", "1", "--rl.interventions", "true", "--tensorboard", "true", "--out", str(run))
     assert first.returncode == 0, first.stderr[-3000:]
     for name in ("config.yaml", "metrics.jsonl", "curves.png", "report.md", "state.json"):
         assert (run / name).is_file(), name
@@ -62,6 +63,12 @@ def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
     assert [r["round"] for r in records if r["kind"] == "round"] == [1, 2]
     policy = VLAPolicy.from_pretrained(str(run / "checkpoints" / "round-002"))
     assert policy.config.image_size == 32 and policy.config.extra["tasks"] == ["drawer"]
+    # The TensorBoard view (the saved config keeps --tensorboard): one point per round at its env step.
+    board = scalars(run)
+    env_steps = [r["env_steps"] for r in records if r["kind"] == "round"]
+    assert [step for step, _ in board["round/actor/loss"]] == env_steps
+    assert [step for step, _ in board["eval/round/train/success"]] == env_steps
+    assert board["eval/sft/train/success"][0][0] == 0
 
     # `kinema eval` on a task the checkpoint never saw: allowed, and said so in the output and the report.
     out = tmp_path / "eval"

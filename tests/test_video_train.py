@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_board import scalars
 
 from diffusion_rl.flow import sde_step_with_logprob
 from kinema.media import write_mp4
@@ -205,7 +206,7 @@ def test_video_train_end_to_end_and_resume(tmp_path: Path):
         "--train.rounds", "2", "--train.updates_per_round", "2", "--train.prompts_per_round", "2", "--train.group_size", "2",
         "--model.num_inference_steps", "3", "--eval.interval", "1", "--eval.prompts", "2", "--eval.samples_per_prompt", "2",
     ]  # fmt: skip
-    first = kinema_video("train", *args)
+    first = kinema_video("train", *args, "--tensorboard", "true")
     assert first.returncode == 0, first.stderr[-3000:]
     for name in ("config.yaml", "metrics.jsonl", "reward_curves.png", "report.md", "state.json", "success_calibration.png",
                  "samples/before.png", "samples/after.png", "samples/before.mp4", "samples/after.mp4"):  # fmt: skip
@@ -223,6 +224,9 @@ def test_video_train_end_to_end_and_resume(tmp_path: Path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records if r["kind"] == "round"] == [1, 2, 3]
     assert [r["round"] for r in records if r.get("stage") == "after"] == [2, 3]
+    board = scalars(run)  # the TensorBoard view, stepped by round
+    assert [step for step, _ in board["eval/round/eval/success"]] == [1, 2, 3]
+    assert [step for step, _ in board["eval/after/eval/success"]] == [2, 3]
     again = kinema_video("train", *args)
     assert again.returncode == 2 and "already holds a run" in again.stderr
 

@@ -135,6 +135,7 @@ class TrainConfig:
     threads: int = 1  # torch threads; one per process is fastest on a shared CPU
     dataset: str = ""  # train SFT on this LeRobotDataset folder instead of collecting scripted demos
     init_policy: str = ""  # start RL from this checkpoint instead of running SFT (e.g. another run's checkpoints/sft)
+    tensorboard: bool = False  # also log the metrics as TensorBoard scalars in RUN_DIR/tensorboard (kinema[tensorboard])
     policy: PolicyOptions = field(default_factory=PolicyOptions)
     demos: DemoConfig = field(default_factory=DemoConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

@@ -30,6 +30,7 @@ from rich.console import Console
 from diffusion_rl.data import Episode
 from diffusion_rl.data.lerobot_v3 import read_episodes, write_episodes
 from diffusion_rl.habc import HABCConfig
+from kinema.board import Board
 from kinema.sim_commands import progress_bar
 from kinema.train.buffer import StepBuffer
 from kinema.train.config import REPLAY_MIXING, TrainConfig, dump_config
@@ -63,9 +64,11 @@ class Run:
 
     METRICS = "metrics.jsonl"
 
-    def __init__(self, root: Path, console: Console) -> None:
+    def __init__(self, root: Path, console: Console, *, tensorboard: bool = False, step_key: str = "env_steps") -> None:
+        """`tensorboard`: also show every record as TensorBoard scalars at its `step_key` (kinema.board)."""
         self.root = root
         self.console = console
+        self.board = Board(root, step_key) if tensorboard else None
         root.mkdir(parents=True, exist_ok=True)
         (root / "checkpoints").mkdir(exist_ok=True)
 
@@ -73,6 +76,12 @@ class Run:
         record = {"time": round(time.time(), 1), **record}
         with open(self.root / self.METRICS, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            self.board.log(record)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
     def _lines(self) -> list[str]:
         path = self.root / self.METRICS
@@ -110,6 +119,8 @@ class Run:
             kept = lines[:keep]
         if (self.root / self.METRICS).exists():
             write_text_atomic(self.root / self.METRICS, "".join(line + "\n" for line in kept))
+        if self.board is not None:
+            self.board.resumed_after([json.loads(line) for line in kept])
         return state
 
 
@@ -291,7 +302,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     rng = np.random.default_rng(cfg.seed)
 
     # 1. Run folder ------------------------------------------------------------------------------------------------
-    run = Run(cfg.run_dir(), console)
+    run = Run(cfg.run_dir(), console, tensorboard=cfg.tensorboard, step_key="env_steps")
     state = run.resume() if resume else {}  # drops metrics records the last checkpoint does not cover
     if resume and not state:
         raise FileNotFoundError(f"nothing to resume in {run.root}: no {STATE_FILE} (start it without --resume)")
@@ -524,6 +535,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         run.save_state(state)
     write_curves(run.records(), run.root / "curves.png")
     write_report(cfg, run.records(), run.root)
+    run.close()
     console.print(f"report: {run.root / 'report.md'}")
     return run.root
 

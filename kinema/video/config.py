@@ -141,6 +141,7 @@ class VideoTrainConfig:
     out: str = ""  # run folder; default runs/video-<method>-s<seed>
     seed: int = 0
     threads: int = 1  # torch threads: one is fastest on a shared CPU (DESIGN.md)
+    tensorboard: bool = False  # also log the metrics as TensorBoard scalars in RUN_DIR/tensorboard (kinema[tensorboard])
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)

@@ -326,7 +326,7 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
     started = time.time()
 
     # 1. Run folder ------------------------------------------------------------------------------------------------
-    run = Run(cfg.run_dir(), console)
+    run = Run(cfg.run_dir(), console, tensorboard=cfg.tensorboard, step_key="round")
     if not resume and run.state():
         raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
     state = run.resume() if resume else {}  # drops the metrics records the last checkpoint does not cover
@@ -409,6 +409,7 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
     records = run.records()
     write_reward_curves(records, run.root / "reward_curves.png")
     write_report(cfg, records, run.root)
+    run.close()
     summary = {k: v for k, v in next(r for r in reversed(records) if r.get("stage") == "after").items() if k.startswith("eval/")}
     console.print(f"after {t.method}: {json.dumps({k: round(v, 4) for k, v in summary.items()})}")
     console.print(f"report: {run.root / 'report.md'}")
