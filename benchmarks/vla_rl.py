@@ -11,6 +11,7 @@ then branches from that same checkpoint and the same demonstrations, through the
     habc_pooled    HABC's loss as written: demos and credit-weighted rollouts in one pool (the habc arm draws half of
                    each batch from the demos)
     habc_hil       HABC with the simulated human in the loop
+    habc_hil_ir    the same with intervention reweighting (human steps weighted by g) after 3 rounds: the paper's best
     habc_nogate    ablation: fixed mix instead of the state-adaptive gate
     habc_nocredit  ablation: no intervention-aware credit (with the human in the loop, where it matters)
 
@@ -60,6 +61,11 @@ METHODS: dict[str, list[str]] = {
     "habc_mc": ["--rl.method", "habc", "--rl.habc.efficiency_target", "mc", "--rl.habc.value_scale", "50"],
     "habc_pooled": ["--rl.method", "habc", "--rl.replay_mixing", "pooled"],
     "habc_hil": ["--rl.method", "habc", "--rl.interventions", "true"],
+    # the paper's best arm: human steps weighted by the gate (IR) after 3 rounds without
+    "habc_hil_ir": [
+        "--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_reweighting", "true",
+        "--rl.habc.intervention_reweighting_after", "3",
+    ],  # fmt: skip
     "habc_nogate": ["--rl.method", "habc", "--rl.habc.gate", "fixed_mix"],
     "habc_nocredit": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_credit", "false"],
 }

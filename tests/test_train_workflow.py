@@ -32,7 +32,10 @@ def kinema(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
     run = tmp_path / "run"
-    first = kinema("train", *TINY, "--rl.rounds", "1", "--rl.interventions", "true", "--tensorboard", "true", "--out", str(run))
+    first = kinema(
+        "train", *TINY, "--rl.rounds", "1", "--rl.interventions", "true", "--tensorboard", "true", "--out", str(run),
+        "--rl.habc.intervention_reweighting", "true", "--rl.habc.intervention_reweighting_after", "1",
+    )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     for name in ("config.yaml", "metrics.jsonl", "curves.png", "report.md", "state.json"):
         assert (run / name).is_file(), name
@@ -61,6 +64,8 @@ def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
     assert state["round"] == 2 and state["env_steps"] > 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records if r["kind"] == "round"] == [1, 2]
+    # intervention reweighting (IR) starts after the rounds without it, as the paper schedules it
+    assert [r["habc/intervention_reweighting"] for r in records if r["kind"] == "round"] == [False, True]
     policy = VLAPolicy.from_pretrained(str(run / "checkpoints" / "round-002"))
     assert policy.config.image_size == 32 and policy.config.extra["tasks"] == ["drawer"]
     # The TensorBoard view (the saved config keeps --tensorboard): one point per round at its env step.

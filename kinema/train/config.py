@@ -45,7 +45,8 @@ class SFTConfig:
 class HABCOptions:
     gate: str = "paper"  # paper | fixed_mix | viability_only | efficiency_only | exp
     intervention_credit: bool = True  # False: the "no intervention-aware credit" ablation
-    intervention_reweighting: bool = False  # human steps weighted by g instead of 1
+    intervention_reweighting: bool = False  # human steps weighted by g instead of 1 (the paper's "IR")
+    intervention_reweighting_after: int = 0  # rounds without IR before it starts (the paper runs 3 rounds without)
     warmup_rounds: int = 0  # rounds with g = 1 (critics still train)
     critic_steps: int = 400  # critic gradient steps per round
     critic_lr: float = 3e-4  # HABC critic learning rate (with a soft-updated target critic for the TD head)
@@ -164,7 +165,10 @@ class TrainConfig:
             raise ValueError(f"rl.ppo_lr must be >= 0 (0: use rl.lr); got {self.rl.ppo_lr}")
         if not 0.0 <= self.rl.demo_fraction <= 1.0:
             raise ValueError(f"rl.demo_fraction must be in [0, 1]; got {self.rl.demo_fraction}")
-        for name, value in (("sft.steps", self.sft.steps), ("rl.rounds", self.rl.rounds), ("eval.episodes", self.eval.episodes)):
+        for name, value in (
+            ("sft.steps", self.sft.steps), ("rl.rounds", self.rl.rounds), ("eval.episodes", self.eval.episodes),
+            ("rl.habc.intervention_reweighting_after", self.rl.habc.intervention_reweighting_after),
+        ):  # fmt: skip
             if value < 0:
                 raise ValueError(f"{name} must be >= 0; got {value}")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import json
 import time
@@ -469,8 +470,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     # 4c-d. Critics and per-step credit.
                     bar.update(job, status=f"round {r}: critics")
                     if method == "habc":
+                        reweighting = cfg.rl.habc.intervention_reweighting and r > cfg.rl.habc.intervention_reweighting_after
+                        round_config = dataclasses.replace(habc_config, intervention_reweighting=reweighting)
+                        record["habc/intervention_reweighting"] = reweighting
                         per_step, diag = habc_step_weights(
-                            critics, episodes, features, config=habc_config, critic_steps=cfg.rl.habc.critic_steps, actor_step=actor_step
+                            critics, episodes, features, config=round_config, critic_steps=cfg.rl.habc.critic_steps, actor_step=actor_step
                         )  # fmt: skip
                     elif method == "awr":
                         per_step, diag = awr_step_weights(
