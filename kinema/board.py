@@ -4,18 +4,21 @@ metrics.jsonl stays the record of truth; this is a view of it. Each numeric fiel
 `<kind>/<stage>/<field>` (`<kind>/<field>` when the record has no stage), e.g. `eval/round/train/success` or
 `round/actor/loss`, at the record's step: `env_steps` for `kinema train`, `round` for `kinema video train`.
 
-A resumed run redoes the work after its last checkpoint and logs it again; the writer then starts with TensorBoard's
-purge step, so that the first attempt's points past the checkpoint are hidden rather than drawn twice.
+A resumed run redoes the work after its last checkpoint and logs it again. The view is then rebuilt from the records
+the resume keeps, so that the first attempt's points past the checkpoint are gone rather than drawn twice (TensorBoard's
+purge step would not do: its Rust data server, the default reader, ignores it), and a run resumed with
+`--tensorboard true` shows its whole history.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 BOARD_DIR = "tensorboard"
-NOT_SCALARS = ("time", "kind", "stage")
+NOT_SCALARS = ("time", "kind", "stage", "round")
 
 
 def require_tensorboard() -> None:
@@ -47,29 +50,28 @@ def record_scalars(record: dict[str, Any], step_key: str) -> dict[str, float]:
 
 
 class Board:
-    """One SummaryWriter for the run, opened on the first record (after a resume has set the purge step)."""
+    """One SummaryWriter for the run, opened on the first record."""
 
     def __init__(self, root: Path, step_key: str) -> None:
         require_tensorboard()
         self.dir = root / BOARD_DIR
         self.step_key = step_key
-        self.purge_step: int | None = None
         self.step = 0
         self._writer = None
 
     def resumed_after(self, kept: list[dict[str, Any]]) -> None:
-        """The records the resumed run keeps: everything logged past their last step is purged from the view."""
-        step = 0
+        """The records the resumed run keeps (metrics.jsonl, the record of truth): the view is rebuilt from them."""
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.step = 0
         for record in kept:
-            step = record_step(record, self.step_key, step)
-        self.step = step
-        self.purge_step = step + 1
+            self.log(record)
 
     def log(self, record: dict[str, Any]) -> None:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.dir), purge_step=self.purge_step)
+            self._writer = SummaryWriter(str(self.dir))
         self.step = record_step(record, self.step_key, self.step)
         for tag, value in record_scalars(record, self.step_key).items():
             self._writer.add_scalar(tag, value, self.step, walltime=record.get("time"))
