@@ -22,7 +22,7 @@ Last line: one JSON object, one entry per method with success, heldout_success, 
 gain_over_sft (success points over SFT), each success with its standard error; `_meta.task_run_minutes` is the
 wall time each task's runs took, summed (the budget the task needed, whether they ran at once or in turn).
 
-    python benchmarks/vla_rl.py --quick                       # one task, tiny budget (< 1-2 minutes)
+    python benchmarks/vla_rl.py --quick                       # one task, the headline arms, tiny budget
     python benchmarks/vla_rl.py --tasks drawer --seeds 2      # runs one after another, with a live progress bar
     python benchmarks/vla_rl.py --jobs 8 --out runs/bench     # 8 runs at once (logs in runs/bench/logs/)
 
@@ -71,6 +71,7 @@ METHODS: dict[str, list[str]] = {
 }
 
 BASELINES = ("sft", "sft_continued", "awr", "flow_ppo", "flow_ppo_gae")  # HABC's margin is over the best of these
+HEADLINE = ("sft_continued", "awr", "flow_ppo", "habc", "habc_hil")  # with sft, the arms --quick runs by default
 
 QUICK = [
     "--demos.episodes", "8", "--sft.steps", "40", "--sft.batch_size", "16", "--rl.rounds", "1",
@@ -196,10 +197,11 @@ def final_eval(run: Path, stage: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one task, tiny budget (< 1-2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="one task, the headline arms, tiny budget (about a minute)")
     parser.add_argument("--tasks", default="drawer,push,pick_place")
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=None,
+                        help=f"arms, comma-separated (default: all of {', '.join(METHODS)}; with --quick: {', '.join(HEADLINE)})")
     parser.add_argument(
         "--config", default="{task}_habc",
         help="base config of each task's runs: a YAML path or shipped name; {task} is replaced by the task "
@@ -212,7 +214,9 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     tasks = ["drawer"] if args.quick else args.tasks.split(",")
     seeds = 1 if args.quick else args.seeds
-    methods = args.methods.split(",")
+    methods = (args.methods or ",".join(HEADLINE if args.quick else METHODS)).split(",")
+    if unknown := [m for m in methods if m not in METHODS]:
+        parser.error(f"--methods: unknown arm(s) {', '.join(unknown)}; valid: {', '.join(METHODS)}")
     base_overrides = (QUICK if args.quick else []) + overrides
     out = Path(args.out + ("_quick" if args.quick else ""))
     started = time.time()

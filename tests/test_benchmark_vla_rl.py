@@ -54,3 +54,12 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     assert third["_meta"]["runs_trained"] == 3
     assert {"sft-interrupted", "sft_continued-interrupted", "awr-interrupted-2"} <= {p.name for p in runs.iterdir()}
     assert all(json.loads((runs / m / "state.json").read_text()).get("final_done") for m in ("sft_continued", "awr"))
+
+
+def test_an_unknown_arm_is_refused_with_the_valid_ones(tmp_path: Path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--methods", "habc,hbac", "--out", str(tmp_path / "bench")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "unknown arm(s) hbac; valid: sft_continued" in done.stderr
+    assert not (tmp_path / "bench").exists()  # refused before any run starts
