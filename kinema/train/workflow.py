@@ -72,6 +72,8 @@ class Run:
         self.board = Board(root, step_key) if tensorboard else None
         root.mkdir(parents=True, exist_ok=True)
         (root / "checkpoints").mkdir(exist_ok=True)
+        if self.board is not None:
+            console.print(f"TensorBoard: tensorboard --logdir {self.board.dir}")
 
     def log(self, record: dict[str, Any]) -> None:
         record = {"time": round(time.time(), 1), **record}
