@@ -73,9 +73,10 @@ class RLConfig:
     # better (33 % against 19 %; SFT 44 %): the critic, fitted on earlier rounds, predicted a round worse than a constant.
     ppo_gae_lambda: float = 0.95
     ppo_clip: float = 0.2  # flow_ppo: clip range on the ratio of mean-reduced per-step log-probs
-    # flow_ppo: Flow-SDE noise level a (σ_t = a·sqrt(t / (1 − t))). GRPO, 2 seeds: 0.3 reached 42 % on drawer (0.5: 26 %,
-    # SFT 44 %), 16 % on push (0.5: 13 %, SFT 22 %): at 0.5 the SDE rollouts succeed far less often than the ODE policy.
-    ppo_noise_level: float = 0.5
+    # flow_ppo: Flow-SDE noise level a (σ_t = a·sqrt(t / (1 − t))). GRPO, 2 seeds each: 0.3 reached 42 % on drawer (0.5:
+    # 26 %, SFT 44 %), 16 % on push (0.5: 13 %, SFT 22 %), 17 % on pick_place (its SFT 18 %; 0.5: 14 % from an SFT at
+    # 15 %): at 0.5 the SDE rollouts succeed far less often than the ODE policy that is evaluated.
+    ppo_noise_level: float = 0.3
     ppo_epochs: int = 2
     # flow_ppo's trust region. Without both, the tiny VLA moved 0.3-2.9 nats per log-prob element per round and fell
     # to 0 % success by round 4-5 (drawer and pick_place). Measured on drawer seed 0 (100 episodes, SFT 44 %):
