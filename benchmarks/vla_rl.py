@@ -20,7 +20,9 @@ then branches from that same checkpoint and the same demonstrations, through the
 
 Last line: one JSON object, one entry per method with success, heldout_success, steps_to_success and
 gain_over_sft (success points over SFT), each success with its standard error; `_meta.task_run_minutes` is the
-wall time each task's runs took, summed (the budget the task needed, whether they ran at once or in turn).
+wall time each task's runs took, summed (whether they ran at once or in turn), and `_meta.cpu_minutes_per_run`
+the CPU minutes per run of each arm (env workers included; unlike wall time, not inflated by runs sharing the
+CPU), with `sft_then_habc`: the compute HABC needs for a task from nothing.
 
     python benchmarks/vla_rl.py --quick                       # one task, the headline arms, tiny budget
     python benchmarks/vla_rl.py --tasks drawer --seeds 2      # runs one after another, with a live progress bar
@@ -192,6 +194,12 @@ def _run_minutes(run: Path) -> float:
     return (records[-1]["time"] - min((run / "config.yaml").stat().st_mtime, records[0]["time"])) / 60
 
 
+def _run_cpu_minutes(run: Path) -> float | None:
+    """CPU minutes one run spent, env workers included (its last record's `cpu_s`; None for runs that predate it)."""
+    cpu = _records(run)[-1].get("cpu_s")
+    return None if cpu is None else cpu / 60
+
+
 def final_eval(run: Path, stage: str) -> dict:
     return next(r for r in reversed(_records(run)) if r.get("kind") == "eval" and r.get("stage") == stage)
 
@@ -251,10 +259,17 @@ def main() -> None:
     # 2. The table, from the runs' metrics.
     rows: dict[str, dict[str, list]] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
     per_task: dict[str, dict[str, list]] = {}  # task -> method -> [train success] over seeds
-    run_minutes: dict[str, float] = {}  # task -> the wall minutes its runs took, summed (the budget it needed)
+    run_minutes: dict[str, float] = {}  # task -> the wall minutes its runs took, summed
+    cpu_minutes: dict[str, dict[str, float]] = {}  # task -> arm -> CPU minutes per run, mean over seeds
     for task in tasks:
         runs = [out / f"{task}-s{seed}" / m for seed in range(seeds) for m in ["sft", *methods]]
         run_minutes[task] = round(sum(_run_minutes(r) for r in runs), 1)
+        for m in ["sft", *methods]:
+            spent = [c for seed in range(seeds) if (c := _run_cpu_minutes(out / f"{task}-s{seed}" / m)) is not None]
+            if spent:
+                cpu_minutes.setdefault(task, {})[m] = round(float(np.mean(spent)), 2)
+        if {"sft", "habc"} <= cpu_minutes.get(task, {}).keys():  # HABC's budget for the task: its SFT, then its RL
+            cpu_minutes[task]["sft_then_habc"] = round(cpu_minutes[task]["sft"] + cpu_minutes[task]["habc"], 2)
         for seed in range(seeds):
             sft = final_eval(out / f"{task}-s{seed}" / "sft", "sft")
             _add(rows["sft"], sft, sft)
@@ -303,7 +318,7 @@ def main() -> None:
     # Wall minutes of this invocation (runs finished earlier and reused count zero), with the jobs it ran at once.
     summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "jobs": args.jobs,
                         "runs_trained": len(sft_jobs) + len(arm_jobs), "minutes": round((time.time() - started) / 60, 1),
-                        "task_run_minutes": run_minutes}
+                        "task_run_minutes": run_minutes, "cpu_minutes_per_run": cpu_minutes}
     print(json.dumps(summary))
 
 

@@ -36,6 +36,8 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     assert {p.name for p in (tmp_path / "bench_quick" / "logs").iterdir()} == {"drawer-s0-sft.log", "drawer-s0-sft_continued.log"}
     assert json.loads((runs / "sft_continued" / "state.json").read_text())["final_done"]
     assert first["sft_continued"]["success"] is not None and first["_meta"]["task_run_minutes"]["drawer"] > 0
+    cpu = first["_meta"]["cpu_minutes_per_run"]["drawer"]
+    assert cpu["sft"] > 0 and cpu["sft_continued"] > 0 and "sft_then_habc" not in cpu  # no habc arm ran
 
     # An awr run killed before its first checkpoint (config written, no state): set aside, trained afresh; the SFT
     # and the control are reused, and the control's figures are the same as before.

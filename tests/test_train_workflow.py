@@ -51,6 +51,8 @@ def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
     assert {"habc/p_v_mean", "success_model/brier", "rollout/takeover_rate", "actor/loss"} <= set(round_record)
     report = (run / "report.md").read_text()
     assert "| train |" in report and "heldout instructions" in report
+    cpu = [r["cpu_s"] for r in records]  # the run's spend so far, non-decreasing, and stated in the report
+    assert cpu == sorted(cpu) and cpu[-1] > 0 and f"Compute: {cpu[-1] / 60:.1f} CPU-minutes" in report
 
     # Resume with one more round: continues at round 2 from the round-1 checkpoint, keeps everything before. A kill
     # after round 2's rollouts were written but before its checkpoint left them on disk: they are kept aside.

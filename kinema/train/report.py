@@ -128,6 +128,8 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
             lines.append(f"| {split.replace('_', ' ')} | {_fmt(sft, split)} | {_fmt(final, split)} | {gain} |")
     if final and final.get("train/steps_to_success") and sft and sft.get("train/steps_to_success"):
         lines += ["", f"Mean steps to success: SFT {sft['train/steps_to_success']:.1f} → {final['train/steps_to_success']:.1f}."]
+    if records and records[-1].get("cpu_s") is not None:
+        lines += ["", f"Compute: {records[-1]['cpu_s'] / 60:.1f} CPU-minutes (the run's process and its env workers)."]
     lines += [
         "",
         "![curves](curves.png)",

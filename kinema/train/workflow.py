@@ -32,6 +32,7 @@ from diffusion_rl.data import Episode
 from diffusion_rl.data.lerobot_v3 import read_episodes, write_episodes
 from diffusion_rl.habc import HABCConfig
 from kinema.board import Board
+from kinema.cputime import CpuClock
 from kinema.sim_commands import progress_bar
 from kinema.train.buffer import StepBuffer
 from kinema.train.config import REPLAY_MIXING, TrainConfig, dump_config
@@ -70,13 +71,15 @@ class Run:
         self.root = root
         self.console = console
         self.board = Board(root, step_key) if tensorboard else None
+        self.cpu = CpuClock()
         root.mkdir(parents=True, exist_ok=True)
         (root / "checkpoints").mkdir(exist_ok=True)
         if self.board is not None:
             console.print(f"TensorBoard: tensorboard --logdir {self.board.dir}")
 
     def log(self, record: dict[str, Any]) -> None:
-        record = {"time": round(time.time(), 1), **record}
+        # cpu_s: CPU seconds the run has spent so far, env workers included (kinema.cputime).
+        record = {"time": round(time.time(), 1), "cpu_s": round(self.cpu.seconds(), 1), **record}
         with open(self.root / self.METRICS, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.board is not None:
@@ -122,6 +125,8 @@ class Run:
             kept = lines[:keep]
         if (self.root / self.METRICS).exists():
             write_text_atomic(self.root / self.METRICS, "".join(line + "\n" for line in kept))
+        if kept:  # CPU time after the checkpoint went with its records; the redo counts
+            self.cpu.carry(json.loads(kept[-1]).get("cpu_s", 0.0))
         if self.board is not None:
             self.board.resumed_after([json.loads(line) for line in kept])
         return state

@@ -142,6 +142,8 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
         lines.append("")
     if rounds and "time_s" in rounds[-1]:
         lines += [f"Wall clock of the whole run (sim videos, reward, pre-training, post-training): {rounds[-1]['time_s']:.0f} s.", ""]
+    if records and records[-1].get("cpu_s") is not None:
+        lines += [f"Compute: {records[-1]['cpu_s'] / 60:.1f} CPU-minutes.", ""]
     lines += [
         "![reward curves](reward_curves.png)",
         "",
