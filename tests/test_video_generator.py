@@ -424,6 +424,36 @@ def test_prompt_embeddings_are_cached_padded_and_distinct(gen):
     assert torch.equal(gen.encode_prompts(PROMPTS[:1])[0], e[0])
 
 
+def test_velocities_of_several_adapters_in_one_pass_equal_one_call_each(gen):
+    gen.add_adapter("default")
+    _randomise_adapter(gen, "default", seed=5)
+    gen.copy_adapter("default", "old")
+    _randomise_adapter(gen, "old", seed=6)
+    batch = _batch(gen)
+    x_t, t, emb = torch.randn_like(batch["x0"]), batch["t"], batch["prompt_embeds"]
+    names = ("old", BASE, "default")
+    one_each = [gen.velocity(x_t, t, emb, adapter=a) for a in names]
+    calls = []
+    hook = gen.transformer.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
+    )
+    fused = gen.velocities(x_t, t, emb, names)
+    hook.remove()
+    assert calls == [6]  # one forward over the three adapters' rows
+    assert (fused[0] - fused[1]).abs().max() > 1e-3 and (fused[0] - fused[2]).abs().max() > 1e-3  # they differ
+    for a, b in zip(fused, one_each):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # batched matmuls round differently
+    with gen.disable_adapters():  # the adapters are named, so a disabled state does not matter, and is kept
+        for a, b in zip(gen.velocities(x_t, t, emb, names), one_each):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # batched matmuls round differently
+        torch.testing.assert_close(gen.velocity(x_t, t, emb), one_each[1], rtol=0, atol=0)
+    torch.testing.assert_close(gen.velocity(x_t, t, emb), one_each[2], rtol=0, atol=0)  # no hook left behind
+    assert [p.requires_grad for p in gen.lora_parameters("default").values()] == [True] * 80
+    assert not any(p.requires_grad for p in gen.lora_parameters("old").values())
+    with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+        gen.velocities(x_t, t, emb, ("old", "nope"))
+
+
 def test_adapter_contexts_nest_and_restore(gen):
     gen.add_adapter("default")
     _randomise_adapter(gen, "default", seed=5)

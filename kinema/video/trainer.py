@@ -118,6 +118,14 @@ class Model:
     def velocity(self, x: Tensor, t: Tensor, emb: Tensor, adapter: str | None, *, guidance: float = 1.0) -> Tensor:
         return self.gen.velocity(x, t, emb, adapter=adapter, guidance_scale=guidance)
 
+    @torch.no_grad()
+    def velocities(self, x: Tensor, t: Tensor, emb: Tensor, adapters: Sequence[str]) -> list[Tensor]:
+        """Unguided velocities of several adapters at the same inputs (no grad): in one batched pass where the
+        generator offers it (`VideoGenerator.velocities`), else one call each."""
+        if hasattr(self.gen, "velocities"):
+            return self.gen.velocities(x, t, emb, adapters)
+        return [self.velocity(x, t, emb, a) for a in adapters]
+
     def velocity_fn(self, emb: Tensor, adapter: str | None, *, guidance: float = 1.0) -> Callable[[Tensor, Tensor], Tensor]:
         return lambda x, t: self.velocity(x, t, emb, adapter, guidance=guidance)
 
@@ -282,9 +290,7 @@ class VideoAWR(Method):
         # The model's own (shifted) 20-step schedule: Wan's shift 3-5 puts these steps at other noise levels.
         x_t, t, _ = self.noised(x0, low=self.opt.awr_t_low, schedule=self.tr.model.schedule(20))
         m = self.tr.model
-        with torch.no_grad():
-            v_old = m.velocity(x_t, t, emb, REF)  # unguided: the anchor may not use CFG
-            v_base = m.velocity(x_t, t, emb, BASE)
+        v_old, v_base = m.velocities(x_t, t, emb, (REF, BASE))  # unguided: the anchor may not use CFG
         v_theta = m.velocity(x_t, t, emb, TRAINED)
         x0_star = awr_target(x_t=x_t, t=t, v_old=v_old, x0=x0, energies=ro.extra["energies"][idx])
         per = awr_loss(v_theta, x_t=x_t, t=t, x0=x0, x0_star=x0_star)
@@ -306,9 +312,7 @@ class DiffusionNFT(Method):
         x0, emb = ro.latents[idx], ro.embeds[idx]
         x_t, t, _ = self.noised(x0, low=0.02)
         m = self.tr.model
-        with torch.no_grad():
-            v_old = m.velocity(x_t, t, emb, REF)
-            v_base = m.velocity(x_t, t, emb, BASE)
+        v_old, v_base = m.velocities(x_t, t, emb, (REF, BASE))
         v_theta = m.velocity(x_t, t, emb, TRAINED)
         per = nft_loss(
             v_theta, v_old, x_t=x_t, x0=x0, t=t, advantages=advantages, r=r, beta=self.opt.nft_beta,
@@ -361,8 +365,8 @@ class RewardDistill(Method):
         t = ro.extra["times"][j].expand(len(idx))
         # 2. DMD: the real and the fake score at the student output, noised afresh.
         with torch.no_grad():
-            v_base = m.velocity(x_t, t, emb, BASE)
-            x_det = x0_from_velocity(x_t, m.velocity(x_t, t, emb, TRAINED), t)
+            v_base, v_det = m.velocities(x_t, t, emb, (BASE, TRAINED))
+            x_det = x0_from_velocity(x_t, v_det, t)
             xn, tn, _ = self.noised(x_det, low=0.02, high=0.98)
             f_real = x0_from_velocity(xn, m.velocity(xn, tn, emb, BASE, guidance=self.opt.teacher_guidance), tn)
             f_fake = x0_from_velocity(xn, m.velocity(xn, tn, emb, FAKE), tn)

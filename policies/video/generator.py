@@ -408,6 +408,18 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
                 v = flow.cfg_velocity(v, self._forward(x_t, t, neg, native=False), guidance_scale)
         return v
 
+    @torch.no_grad()
+    def velocities(self, x_t: Tensor, t: Tensor | float, prompt_embeds: Tensor, adapters: Sequence[str]) -> list[Tensor]:
+        """`velocity` under each of `adapters` ("base": none) at the same inputs, unguided, in one batched pass
+        (`mixed_adapters`): e.g. the old policy and the frozen base model of an update. No gradients."""
+        k, b = len(adapters), x_t.shape[0]
+        t = self._timestep(t, b)
+        rows = [name for name in adapters for _ in range(b)]
+        with self._keep_grad_flags(), self.mixed_adapters(rows):
+            v = self._forward(x_t.repeat(k, *[1] * (x_t.dim() - 1)), t.repeat(k),
+                              prompt_embeds.repeat(k, *[1] * (prompt_embeds.dim() - 1)), native=False)
+        return list(v.split(b))
+
     def x0_pred(self, x_t: Tensor, t: Tensor | float, prompt_embeds: Tensor, *, adapter: str | None = None) -> Tensor:
         """x̂_0(x_t, t): the network's output for x0 prediction, x_t − t·v for velocity prediction."""
         t = self._timestep(t, x_t.shape[0])

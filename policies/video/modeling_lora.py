@@ -220,6 +220,34 @@ class NamedLoraAdapters:
                 self._disabled = False
 
     @contextmanager
+    def mixed_adapters(self, rows: Sequence[str]) -> Iterator[None]:
+        """Run the block with a different adapter per batch row (`rows`: one name per row, "base" for none), in
+        one forward pass: peft's mixed-adapter batches. The base layers see the whole batch once, each adapter
+        only its rows, so querying several adapters at the same inputs costs about one batched pass. Inference
+        only: peft does not support it in training."""
+        for name in set(rows) - {BASE}:
+            self._check_adapter(name)
+        from peft.tuners.lora.layer import LoraLayer
+
+        names = ["__base__" if name == BASE else name for name in rows]  # peft's name for "no adapter"
+
+        def inject(module, args, kwargs):
+            return args, {**kwargs, "adapter_names": names}
+
+        hooks = [m.register_forward_pre_hook(inject, with_kwargs=True) for m in self.transformer.modules()
+                 if isinstance(m, LoraLayer)]  # fmt: skip
+        was_disabled = self._disabled
+        try:
+            if was_disabled:  # a disabled LoRA layer ignores adapter_names
+                self.transformer.enable_adapters()
+            yield
+        finally:
+            if was_disabled:
+                self.transformer.disable_adapters()
+            for hook in hooks:
+                hook.remove()
+
+    @contextmanager
     def _keep_grad_flags(self) -> Iterator[None]:
         # peft's set_adapter / enable_adapters flip requires_grad on LoRA weights; an optimiser built over the
         # active adapter must keep its gradients whatever adapter a rollout or a reference query switches to.
