@@ -3,7 +3,8 @@
 Wall-clock minutes on a shared machine say more about the neighbours than about the run; CPU seconds are the
 budget a run actually used. `time.process_time()` sees this process only, and `RUSAGE_CHILDREN` only children
 already waited for, while env workers live for a whole collection under a forkserver: so the live process tree is
-walked, and each process counts its own time plus that of the children it has reaped.
+walked, and each process counts its own time plus that of the children it has reaped. (psutil reports reaped
+children's time on Linux only: elsewhere a worker's time is lost once it exits.)
 """
 
 from __future__ import annotations

@@ -26,27 +26,31 @@ def test_counts_a_live_child_and_a_reaped_one():
     live = ctx.Process(target=_burn, args=(0.4, done), daemon=True)
     live.start()
     assert done.wait(20)
-    assert tree_cpu_seconds() - before >= 0.35  # the child is still alive: its own time is read
+    assert 0.35 <= tree_cpu_seconds() - before < 0.75  # the child is still alive: its own time is read, once
     live.terminate()
     live.join()
-    assert tree_cpu_seconds() - before >= 0.35  # reaped: now in this process's children times
+    assert 0.35 <= tree_cpu_seconds() - before < 0.75  # reaped: now in this process's children times, once
 
 
 def test_counts_workers_of_a_forkserver():
     """Env workers (sim.vector) come from a forkserver: children of a child, reaped by it."""
     ctx = mp.get_context("forkserver")
-    warm = ctx.Process(target=_burn, args=(0.0,))  # the server's own start-up is not what is measured
-    warm.start()
-    warm.join()
-    clock = CpuClock()
-    proc = ctx.Process(target=_burn, args=(0.4,))
-    proc.start()
-    proc.join()
-    assert clock.seconds() >= 0.35
+
+    def child_cpu(burn: float) -> float:
+        clock = CpuClock()
+        proc = ctx.Process(target=_burn, args=(burn,))
+        proc.start()
+        proc.join()
+        return clock.seconds()
+
+    child_cpu(0.0)  # the server's own start-up is not what is measured
+    idle = child_cpu(0.0)  # a worker's start (it imports this module, so torch) is real CPU and counted too
+    assert 0.35 <= child_cpu(0.4) - idle < 0.75
 
 
 def test_run_records_carry_cpu_seconds_across_a_resume(tmp_path):
     run = Run(tmp_path, Console(quiet=True))
+    _burn(0.3)
     run.log({"kind": "round", "round": 1})
     run.save_state({"round": 1})
     _burn(0.2)
@@ -59,6 +63,6 @@ def test_run_records_carry_cpu_seconds_across_a_resume(tmp_path):
     resumed.log({"kind": "round", "round": 2})
     kept, redo = resumed.records()
     assert kept == first
-    # The resumed process starts from the kept record's spend, not from zero and not from the dropped one's.
-    assert first["cpu_s"] <= redo["cpu_s"] < dropped["cpu_s"]
+    # The resumed run starts from the kept record's spend, not from zero and not from the dropped one's.
+    assert 0.25 <= first["cpu_s"] <= redo["cpu_s"] < dropped["cpu_s"]
     assert [json.loads(line)["round"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]

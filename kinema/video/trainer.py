@@ -6,8 +6,9 @@ Every round reads the same way, whatever the method:
     3. decode, score every reward, balance them into one advantage per sample (GDPO or a weighted sum);
        samples of reward-degenerate groups get weight 0 in the methods the reward drives (AWR, NFT, Flow-GRPO),
        not in those a teacher or a discriminator drives (distill, AFD, OPSD: `Method.reward_gated`);
-    4. `updates_per_round` gradient steps of the method's per-sample loss on that round's samples;
-       only the LoRA adapter `default` trains, the base weights never change;
+    4. `updates_per_round` gradient steps of the method's per-sample loss on that round's samples (none when a
+       reward-gated method has every group degenerate: `train/idle_round`); only the LoRA adapter `default`
+       trains, the base weights never change;
     5. the reference adapter follows the trained one as an EMA (`anchor.ref_schedule`, where the method keeps
        one); VideoAWR also keeps a separate EMA of `default` (decay 0.9, FlowAWR) that evaluation samples from.
     `round` counts finished rounds only.
@@ -759,7 +760,11 @@ class VideoTrainer:
         record.update(self.method.prepare(ro))
         n = len(ro.prompts)
         losses = []
-        for u in range(self.cfg.train.updates_per_round):
+        # A reward-gated method with every group degenerate has nothing to learn: no step, not even the anchor's
+        # (at a zero-initialised adapter its gradient would be the rounding between two passes, scaled by Adam).
+        idle = self.method.reward_gated and not bool((ro.weights > 0).any())
+        record["train/idle_round"] = float(idle)
+        for u in range(0 if idle else self.cfg.train.updates_per_round):
             idx = torch.randperm(n, generator=self.rng)[: min(self.cfg.train.batch_size, n)]
             loss, stats = self.method.loss(ro, idx, u)
             self.optimizer.zero_grad(set_to_none=True)

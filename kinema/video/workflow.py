@@ -375,6 +375,7 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
         while trainer.round < t.rounds:
             bar.update(job, status=f"round {trainer.round + 1}: rollouts")
             record = trainer.train_round(on_update=lambda: bar.update(job, advance=1))
+            bar.update(job, completed=trainer.round * t.updates_per_round)  # an idle round takes no steps
             record["time_s"] = elapsed0 + time.time() - started
             if trainer.round % cfg.eval.interval == 0 or trainer.round == t.rounds:
                 bar.update(job, status=f"round {trainer.round}: evaluating")

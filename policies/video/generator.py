@@ -415,7 +415,7 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
         k, b = len(adapters), x_t.shape[0]
         t = self._timestep(t, b)
         rows = [name for name in adapters for _ in range(b)]
-        with self._keep_grad_flags(), self.mixed_adapters(rows):
+        with self.mixed_adapters(rows):
             v = self._forward(x_t.repeat(k, *[1] * (x_t.dim() - 1)), t.repeat(k),
                               prompt_embeds.repeat(k, *[1] * (prompt_embeds.dim() - 1)), native=False)
         return list(v.split(b))

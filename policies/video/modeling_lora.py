@@ -238,12 +238,15 @@ class NamedLoraAdapters:
                  if isinstance(m, LoraLayer)]  # fmt: skip
         was_disabled = self._disabled
         try:
-            if was_disabled:  # a disabled LoRA layer ignores adapter_names
-                self.transformer.enable_adapters()
-            yield
+            with self._keep_grad_flags():  # peft's enable/disable flip them
+                if was_disabled:  # a disabled LoRA layer ignores adapter_names
+                    self.transformer.enable_adapters()
+                try:
+                    yield
+                finally:
+                    if was_disabled:
+                        self.transformer.disable_adapters()
         finally:
-            if was_disabled:
-                self.transformer.disable_adapters()
             for hook in hooks:
                 hook.remove()
 
