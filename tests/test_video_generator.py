@@ -40,6 +40,14 @@ def _randomise_adapter(g: VideoGenerator, name: str, seed: int, scale: float = 0
     )
 
 
+def _default_and_old(g: VideoGenerator) -> None:
+    """Adapters "default" (active) and "old", with different random weights."""
+    g.add_adapter("default")
+    _randomise_adapter(g, "default", seed=5)
+    g.copy_adapter("default", "old")
+    _randomise_adapter(g, "old", seed=6)
+
+
 def _batch(g: VideoGenerator, seed: int = 0) -> dict[str, torch.Tensor]:
     rng = torch.Generator().manual_seed(seed)
     x0 = torch.rand(2, *g.latent_shape(2)[1:], generator=rng) * 2 - 1
@@ -425,10 +433,7 @@ def test_prompt_embeddings_are_cached_padded_and_distinct(gen):
 
 
 def test_velocities_of_several_adapters_in_one_pass_equal_one_call_each(gen):
-    gen.add_adapter("default")
-    _randomise_adapter(gen, "default", seed=5)
-    gen.copy_adapter("default", "old")
-    _randomise_adapter(gen, "old", seed=6)
+    _default_and_old(gen)
     batch = _batch(gen)
     x_t, t, emb = torch.randn_like(batch["x0"]), batch["t"], batch["prompt_embeds"]
     names = ("old", BASE, "default")
@@ -455,10 +460,7 @@ def test_velocities_of_several_adapters_in_one_pass_equal_one_call_each(gen):
 
 
 def test_adapter_contexts_nest_and_restore(gen):
-    gen.add_adapter("default")
-    _randomise_adapter(gen, "default", seed=5)
-    gen.copy_adapter("default", "old")
-    _randomise_adapter(gen, "old", seed=6)
+    _default_and_old(gen)
     batch = _batch(gen)
     x_t = torch.randn_like(batch["x0"])
 
