@@ -129,7 +129,8 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
     if final and final.get("train/steps_to_success") and sft and sft.get("train/steps_to_success"):
         lines += ["", f"Mean steps to success: SFT {sft['train/steps_to_success']:.1f} → {final['train/steps_to_success']:.1f}."]
     if records and records[-1].get("cpu_s") is not None:
-        lines += ["", f"Compute: {records[-1]['cpu_s'] / 60:.1f} CPU-minutes (the run's process and its env workers)."]
+        lines += ["", f"Compute: {records[-1]['cpu_s'] / 60:.1f} CPU-minutes (the run's process and its env workers; "
+                      "work redone after a resume counts once)."]
     lines += [
         "",
         "![curves](curves.png)",
