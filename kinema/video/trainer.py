@@ -119,13 +119,9 @@ class Model:
     def velocity(self, x: Tensor, t: Tensor, emb: Tensor, adapter: str | None, *, guidance: float = 1.0) -> Tensor:
         return self.gen.velocity(x, t, emb, adapter=adapter, guidance_scale=guidance)
 
-    @torch.no_grad()
     def velocities(self, x: Tensor, t: Tensor, emb: Tensor, adapters: Sequence[str]) -> list[Tensor]:
-        """Unguided velocities of several adapters at the same inputs (no grad): in one batched pass where the
-        generator offers it (`VideoGenerator.velocities`), else one call each."""
-        if hasattr(self.gen, "velocities"):
-            return self.gen.velocities(x, t, emb, adapters)
-        return [self.velocity(x, t, emb, a) for a in adapters]
+        """Unguided velocities of several adapters at the same inputs, in one batched pass (no grad)."""
+        return self.gen.velocities(x, t, emb, adapters)
 
     def velocity_fn(self, emb: Tensor, adapter: str | None, *, guidance: float = 1.0) -> Callable[[Tensor, Tensor], Tensor]:
         return lambda x, t: self.velocity(x, t, emb, adapter, guidance=guidance)
