@@ -46,3 +46,26 @@ def test_a_faster_flow_grpo_gives_a_speedup_under_one_not_the_title():
     results = {"nft": curve((0, -0.3), (40, -0.1), (50, -0.1)), "flow_grpo": curve((0, -0.3), (10, -0.1), (20, -0.1))}
     at = video_rl.speedup_at(results, -0.15, grpo_budget=400)
     assert at["best"] == "nft" and at["speedup"] == pytest.approx(0.4) and not at["lower_bound"]
+
+
+def seed_summary(seed: int, speedup: float | None, diversity: float | None = 1.0) -> dict:
+    return {
+        "seed": seed, "quick": False, "clock": "process_cpu_s", "frames": 5, "size": 16, "budget_s_per_method": 90.0,
+        "budget_s_flow_grpo": 360.0, "target_fraction_of_gap": 0.5, "overrides": [], "speedup_vs_flow_grpo": speedup,
+        "speedup_is_lower_bound": False, "best_method": "awr" if speedup else None, "time_to_target_s": {},
+        "speedup_by_target_fraction": {"0.25": {"speedup_vs_flow_grpo": 2.0}}, "final_reward": {},
+        "diversity_ratio": diversity, "peak_rss_mb": 600.0 + seed, "wall_s": 10.0,
+    }  # fmt: skip
+
+
+def test_across_seeds_reports_the_lower_median_and_ranks_a_failed_seed_lowest():
+    five = [seed_summary(0, 3.9), seed_summary(1, None), seed_summary(2, 4.2), seed_summary(3, 5.0), seed_summary(4, 4.1)]
+    out = video_rl.across_seeds(five)
+    # sorted: None, 3.9, 4.1, 4.2, 5.0 -> the middle one
+    assert out["speedup_vs_flow_grpo"] == pytest.approx(4.1)
+    assert out["speedup_per_seed"] == [3.9, None, 4.2, 5.0, 4.1] and out["seeds"] == [0, 1, 2, 3, 4]
+    assert out["peak_rss_mb"] == 604.0 and out["wall_s"] == 50.0
+    # an even count takes the lower of the two middle values, so two failed seeds of four give no median
+    four = [seed_summary(0, None), seed_summary(1, None), seed_summary(2, 6.0), seed_summary(3, 7.0)]
+    assert video_rl.across_seeds(four)["speedup_vs_flow_grpo"] is None
+    assert video_rl.across_seeds(five[:2] + five[2:3] + [seed_summary(3, 2.0)])["speedup_vs_flow_grpo"] == pytest.approx(2.0)
