@@ -6,6 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+class DEFAULTS(argparse.ArgumentDefaultsHelpFormatter):
+    """Every plain option's --help states its default, unless it is required or has none (None, "")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default in (None, "") or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
 
 def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("sim", help="MuJoCo tasks: list them, collect demonstrations, render rollouts")
@@ -13,7 +21,9 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
 
     sim_sub.add_parser("list", help="tasks, with their instruction templates")
 
-    collect = sim_sub.add_parser("collect", help="scripted-expert episodes to a LeRobotDataset v3 folder")
+    collect = sim_sub.add_parser(
+        "collect", help="scripted-expert episodes to a LeRobotDataset v3 folder", formatter_class=DEFAULTS
+    )
     collect.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
     collect.add_argument("--episodes", type=int, required=True, help="number of episodes")
     collect.add_argument("--out", required=True, help="dataset folder: new, or an existing kinema dataset to extend")
@@ -31,18 +41,20 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
         help="seed of the first episode, then +1 per episode (default: 0, or after the last seed of the dataset extended)",
     )
     collect.add_argument("--image-size", type=int, default=96, help="camera height and width in pixels")
-    collect.add_argument("--instructions", choices=("train", "heldout"), default="train")
-    collect.add_argument("--objects", choices=("train", "heldout"), default="train")
+    collect.add_argument("--instructions", choices=("train", "heldout"), default="train",
+                         help="instruction templates: the training ones or the held-out paraphrases")
+    collect.add_argument("--objects", choices=("train", "heldout"), default="train",
+                         help="object colours: the training ones or the held-out combinations")
     collect.add_argument("--num-envs", type=int, default=4, help="envs stepped together")
     collect.add_argument("--workers", type=int, default=0, help="worker processes (0 = in this process)")
     collect.add_argument("--video", default=None, help="also write a preview MP4 of the first episodes here")
 
-    render = sim_sub.add_parser("render", help="a scripted rollout as an MP4 video")
+    render = sim_sub.add_parser("render", help="a scripted rollout as an MP4 video", formatter_class=DEFAULTS)
     render.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
     render.add_argument("--out", required=True, help="output .mp4 file")
     render.add_argument("--episodes", type=int, default=1, help="episodes, one after another")
-    render.add_argument("--seed", type=int, default=0)
-    render.add_argument("--expert-noise", type=float, default=0.0)
+    render.add_argument("--seed", type=int, default=0, help="seed of the first episode, then +1 per episode")
+    render.add_argument("--expert-noise", type=float, default=0.0, help="std of Gaussian action noise (0 = clean)")
     render.add_argument("--interventions", action="store_true", help="show simulated-human takeovers (red border)")
     render.add_argument("--cameras", action="store_true", help="add the policy's agentview and wrist cameras")
 
@@ -61,14 +73,14 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--config", default=None, help="YAML config: a path, or a shipped name (drawer_habc, ...); default: the embedded config")
     train.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
 
-    ev = sub.add_parser("eval", help="evaluate a policy checkpoint in simulation and write a report")
+    ev = sub.add_parser("eval", help="evaluate a policy checkpoint in simulation and write a report", formatter_class=DEFAULTS)
     ev.add_argument("--policy", required=True, help="checkpoint folder (config.json + model.safetensors)")
     ev.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
-    ev.add_argument("--episodes", type=int, default=100)
+    ev.add_argument("--episodes", type=int, default=100, help="episodes per split, on held-out seeds")
     ev.add_argument("--splits", default="train,heldout_instructions,heldout_objects", help="comma-separated")
     ev.add_argument("--out", default=None, help="report folder (default: <checkpoint>/eval-<task>)")
-    ev.add_argument("--workers", type=int, default=2)
-    ev.add_argument("--videos", type=int, default=2)
+    ev.add_argument("--workers", type=int, default=2, help="env worker processes")
+    ev.add_argument("--videos", type=int, default=2, help="rollout MP4s written per split")
     ev.add_argument("--task-config", default="", help='JSON overrides of the task\'s difficulty, e.g. \'{"num_distractors": 0}\'')
     ev.add_argument("--threads", type=int, default=1, help="torch threads (one is fastest on a shared CPU)")
 

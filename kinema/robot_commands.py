@@ -34,6 +34,7 @@ LOCAL_HELP = (
 
 
 def add_robot_commands(sub: argparse._SubParsersAction) -> None:
+    from kinema.cli import DEFAULTS
     from robot.transport import BACKENDS
 
     deploy = sub.add_parser(
@@ -41,12 +42,13 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
         help="run a policy on a ROS 2 arm (or `kinema sim-robot`) behind the safety layer, with human takeover",
         description="Run a policy as a ROS 2 node: /joint_states and cameras in, joint position commands out, "
         "through the safety layer. A human can take over on the takeover topic at any moment.",
+        formatter_class=DEFAULTS,
     )
     deploy.add_argument(
         "--policy", required=True,
         help="a VLA checkpoint folder, or scripted:zero | scripted:nan | scripted:replay:task=T:seed=N",
     )
-    deploy.add_argument("--robot", default=DEFAULT_ROBOT, help=f"robot config YAML, or a shipped name (default {DEFAULT_ROBOT})")
+    deploy.add_argument("--robot", default=DEFAULT_ROBOT, help="robot config YAML, or a shipped name")
     deploy.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: rclpy where ROS 2 is installed, else dds")
     deploy.add_argument("--local", action=argparse.BooleanOptionalAction, default=True, help=LOCAL_HELP)
     deploy.add_argument("--instruction", default="", help="the task in words; a message on the instruction topic replaces it")
@@ -56,22 +58,23 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
         help="with --record: a person marks the recorded episodes from the keyboard (space start/stop, s success, "
         "f failure, a abort, q quit deploy) instead of deploy marking each one",
     )
-    deploy.add_argument("--episodes", type=int, default=1, help="episodes to run (default 1)")
-    deploy.add_argument("--duration", type=float, default=60.0, help="seconds per episode at most (default 60)")
+    deploy.add_argument("--episodes", type=int, default=1, help="episodes to run")
+    deploy.add_argument("--duration", type=float, default=60.0, help="seconds per episode at most")
     deploy.add_argument("--wait-robot", type=float, default=20.0, help="seconds to wait for the first /joint_states")
 
     simr = sub.add_parser(
         "sim-robot",
         help="a MuJoCo task as a ROS 2 robot: /joint_states, cameras, position/trajectory commands, success",
         description="Expose a sim task as a ros2_control-like robot, stepping physics in real time.",
+        formatter_class=DEFAULTS,
     )
     simr.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
-    simr.add_argument("--robot", default=DEFAULT_ROBOT, help=f"robot config YAML, or a shipped name (default {DEFAULT_ROBOT})")
+    simr.add_argument("--robot", default=DEFAULT_ROBOT, help="robot config YAML, or a shipped name")
     simr.add_argument("--seed", type=int, default=0, help="seed of the first episode; each 'reset' takes the next")
-    simr.add_argument("--backend", choices=BACKENDS, default="auto")
+    simr.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: rclpy where ROS 2 is installed, else dds")
     simr.add_argument("--local", action=argparse.BooleanOptionalAction, default=True, help=LOCAL_HELP)
-    simr.add_argument("--rate", type=float, default=100.0, help="/joint_states rate in Hz (default 100)")
-    simr.add_argument("--camera-rate", type=float, default=30.0, help="camera rate in Hz (default 30)")
+    simr.add_argument("--rate", type=float, default=100.0, help="/joint_states rate in Hz")
+    simr.add_argument("--camera-rate", type=float, default=30.0, help="camera rate in Hz")
     simr.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
 
 

@@ -42,3 +42,25 @@ def test_cli_help_lists_every_command():
     ).stdout
     for command in ("list", "collect", "render"):
         assert re.search(rf"^\s+{command}\s+\S", sim, re.M), f"`kinema sim --help` lacks a line for {command}"
+
+
+def test_cli_help_states_each_options_default():
+    """`kinema <command> --help` gives each plain option's default, as the README promises; required options and
+    those without a default say nothing."""
+    from kinema.cli import build_parser
+
+    parser = build_parser()
+    commands = {name: action for action in parser._subparsers._group_actions for name, action in action.choices.items()}
+    sim = {name: p for a in commands["sim"]._subparsers._group_actions for name, p in a.choices.items()}
+    cases = {"eval": commands["eval"], "deploy": commands["deploy"], "sim-robot": commands["sim-robot"],
+             "sim collect": sim["collect"], "sim render": sim["render"]}
+    for name, sub in cases.items():
+        text = " ".join(sub.format_help().split("options:", 1)[1].split())  # past the usage; argparse wraps lines
+        for action in sub._actions:
+            if not action.option_strings or action.help is None or action.dest == "help":
+                continue
+            flag = action.option_strings[-1]
+            entry = text.split(f" {flag} ", 1)[1].split(" --", 1)[0]
+            stated = f"(default: {action.default})" in entry
+            expected = not (action.required or action.default in (None, "") or isinstance(action.default, bool))
+            assert stated == expected, f"`kinema {name} --help`, {flag}: default stated {stated}, expected {expected}"
