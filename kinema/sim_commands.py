@@ -93,14 +93,16 @@ def collect(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     first_seed = args.seed if args.seed is not None else _next_seed(args.out, overwrite=args.overwrite)
     preview: list[np.ndarray] = []
-    stats = {"success": 0, "takeovers": 0, "done": 0}
+    stats = {"success": 0, "takeovers": 0, "done": 0, "writing": 0, "interrupted": 0}
     # An existing kinema dataset is extended (so re-running a command adds episodes); --overwrite replaces it.
     mode = "w" if args.overwrite else "a"
     with LeRobotDatasetWriter(args.out, fps=CONTROL_HZ, mode=mode, overwrite=args.overwrite) as writer, progress_bar(console) as bar:
         job = bar.add_task(f"collect {args.task}", total=args.episodes, status="")
 
         def on_episode(ep: Episode) -> None:
+            stats["writing"] = 1
             writer.add_episode(ep)
+            stats["writing"] = 0
             stats["done"] += 1
             stats["success"] += ep.outcome
             stats["takeovers"] += sum(who == ExecutedBy.HUMAN for _, _, who in ep.segments())
@@ -115,14 +117,22 @@ def collect(args: argparse.Namespace) -> int:
         try:
             seeds = range(first_seed, first_seed + args.episodes)
             collect_episodes(vector, zero_policy, seeds, task_id=args.task, policy_version=version, on_episode=on_episode)
+        except KeyboardInterrupt:
+            if stats["writing"]:  # cut inside an episode's write: the writer drops this run's episodes (it must)
+                raise
+            stats["interrupted"] = 1  # between episodes: the finished ones are whole, so they are kept (committed)
         finally:
             vector.close()
     if args.video and preview:
         write_mp4(args.video, np.stack(preview), CONTROL_HZ)
-    console.print(
-        f"wrote {stats['done']} episodes to {args.out} (success {stats['success'] / stats['done']:.0%})"
-        + (f"; preview {args.video}" if args.video else "")
-    )
+    success = f" (success {stats['success'] / stats['done']:.0%})" if stats["done"] else ""
+    if stats["interrupted"]:
+        console.print(
+            f"[yellow]interrupted: kept the {stats['done']} finished episodes in {args.out}{success}; the same command "
+            "with --episodes set to the rest extends the dataset from the next seed[/yellow]"
+        )
+        return 130
+    console.print(f"wrote {stats['done']} episodes to {args.out}{success}" + (f"; preview {args.video}" if args.video else ""))
     return 0
 
 

@@ -104,3 +104,32 @@ def test_bad_collect_flags_name_the_flag(tmp_path: Path):
     assert result.returncode == 2 and "--image-size" in result.stderr
     result = kinema("sim", "collect", "--task", "push", "--episodes", "1", "--out", str(tmp_path / "x"), "--expert-noise", "-1")
     assert result.returncode == 2 and "--expert-noise" in result.stderr
+
+
+def test_ctrl_c_between_episodes_keeps_the_finished_ones(tmp_path: Path, monkeypatch, capsys):
+    """Ctrl-C once lost every episode of the run (the writer aborted on any exception). Between episodes they are
+    whole, so they are committed; an existing dataset keeps its episodes too. The interrupt is raised where Ctrl-C
+    lands between episodes: in the loop, after an episode was written."""
+    import kinema.sim_commands as sim_commands
+    from kinema.cli import main
+
+    out_dir = tmp_path / "demos"
+    args = ["sim", "collect", "--task", "drawer", "--out", str(out_dir), "--image-size", "32", "--num-envs", "1"]
+    assert main([*args, "--episodes", "1"]) == 0
+    real = sim_commands.collect_episodes
+
+    def interrupted_after_two(vector, policy, seeds, *, on_episode, **kwargs):
+        written = []
+
+        def on_episode_then_ctrl_c(ep):
+            on_episode(ep)
+            written.append(ep.seed)
+            if len(written) == 2:
+                raise KeyboardInterrupt
+
+        return real(vector, policy, seeds, on_episode=on_episode_then_ctrl_c, **kwargs)
+
+    monkeypatch.setattr(sim_commands, "collect_episodes", interrupted_after_two)
+    assert main([*args, "--episodes", "6"]) == 130
+    assert "kept the 2 finished episodes" in capsys.readouterr().err
+    assert sorted(ep.seed for ep in read_episodes(out_dir)) == [0, 1, 2]

@@ -113,6 +113,41 @@ def test_unknown_config_keys_list_the_valid_ones(tmp_path: Path):
     assert result.returncode == 2 and "valid keys here" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_bad_values_and_bad_yaml_name_the_key_or_the_file(tmp_path: Path):
+    with pytest.raises(ValueError, match=r"`rl.rounds`: Couldn't parse 'abc' into an int"):
+        load_config(None, ["--rl.rounds", "abc"])
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("rl:\n  rounds: [3\n")
+    with pytest.raises(ValueError, match="broken.yaml is not valid YAML"):
+        load_config(str(bad))
+    result = kinema("train", "--config", str(bad))
+    assert result.returncode == 2 and "is not valid YAML" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("config_class", ["train", "video"])
+def test_resume_refuses_overrides_of_what_the_run_was_made_with_and_keeps_the_run(tmp_path: Path, config_class: str):
+    """`--resume R --policy.image_size 32` once broke R for good (config.yaml rewritten, the checkpoint 64 px): the
+    override is refused before anything is written; overrides of the rest (more rounds, a device) still apply."""
+    from kinema.train.config import dump_config, load_run_config
+    from kinema.video.config import VideoTrainConfig
+
+    cls, fixed, free = {
+        "train": (None, ["--policy.image_size", "32"], (["--rl.rounds", "9"], lambda c: c.rl.rounds == 9)),
+        "video": (VideoTrainConfig, ["--model.lora_rank", "4"], (["--model.device", "cuda"], lambda c: c.model.device == "cuda")),
+    }[config_class]
+    kwargs = {"config_class": cls} if cls else {}
+    saved = dump_config(load_config(None, [], **kwargs))
+    (tmp_path / "config.yaml").write_text(saved)
+    key = fixed[0][2:]
+    with pytest.raises(ValueError, match=rf"--resume cannot change {key} .* Nothing in .* was changed"):
+        load_run_config(None, fixed, str(tmp_path), **kwargs)
+    command = ("train",) if config_class == "train" else ("video", "train")
+    result = kinema(*command, "--resume", str(tmp_path), *fixed)  # the CLI checks before the run rewrites config.yaml
+    assert result.returncode == 2 and "--resume cannot change" in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / "config.yaml").read_text() == saved
+    assert free[1](load_run_config(None, free[0], str(tmp_path), **kwargs))
+
+
 def test_config_files_in_assets_load():
     configs = sorted(
         p for p in (Path(__file__).resolve().parent.parent / "assets" / "configs").glob("*.yaml") if not p.name.startswith("video_")

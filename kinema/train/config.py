@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import draccus
 import yaml
+from draccus.utils import DecodingError
 
 from kinema.paths import assets_dir
 
@@ -128,6 +129,9 @@ class PolicyOptions:
 
 @dataclass
 class TrainConfig:
+    # What the run's demos, SFT and checkpoints were made with: `--resume` refuses overrides of these.
+    RESUME_FIXED: ClassVar[tuple[str, ...]] = ("task", "task_config", "seed", "dataset", "init_policy", "policy", "demos", "sft")
+
     task: str = "drawer"  # the task family (kinema sim list); drawer is the quickest to learn on a CPU
     task_config: dict[str, Any] = field(default_factory=dict)  # overrides of the task's difficulty config
     out: str = ""  # run folder; default runs/<task>-<method>-s<seed>
@@ -221,7 +225,31 @@ def load_run_config(
     saved = Path(resume) / "config.yaml"
     if not saved.is_file():
         raise FileNotFoundError(f"{resume} is not a kinema run folder (no config.yaml)")
-    return load_config(str(saved), [*overrides, "--out", str(resume)], config_class=config_class)
+    before = load_config(str(saved), ["--out", str(resume)], config_class=config_class)
+    after = load_config(str(saved), [*overrides, "--out", str(resume)], config_class=config_class)
+    # Checked before the run rewrites its config.yaml: a refused override must leave the run resumable as it was.
+    fixed = getattr(config_class, "RESUME_FIXED", ())
+    old, new = _flatten(dataclasses.asdict(before)), _flatten(dataclasses.asdict(after))
+    keys = sorted(old.keys() | new.keys())
+    changed = [k for k in keys if old.get(k) != new.get(k) and any(k == f or k.startswith(f + ".") for f in fixed)]
+    if changed:
+        diffs = ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
+        raise ValueError(
+            f"--resume cannot change {diffs}: the run's data and checkpoints were made with the saved values "
+            f"({', '.join(fixed)} stay fixed on resume). Nothing in {resume} was changed; start a new run (another "
+            "--out) to change them"
+        )
+    return after
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def load_config(
@@ -233,7 +261,7 @@ def load_config(
     if config_path:
         path = resolve_config_path(config_path)
         config_path = str(path)
-        _check_keys(yaml.safe_load(path.read_text()) or {}, valid, "", f" in {path}")
+        _check_keys(_read_yaml(path) or {}, valid, "", f" in {path}")
     for arg in overrides or []:
         if arg.startswith("--"):
             dotted = arg[2:].split("=", 1)[0]
@@ -245,12 +273,23 @@ def load_config(
     try:
         return draccus.parse(config_class=config_class, config_path=config_path, args=list(overrides or []))
     except Exception as err:  # draccus wraps our own validation errors; surface the one that names the field
-        cause = err
-        while cause.__cause__ is not None or cause.__context__ is not None:
-            cause = cause.__cause__ or cause.__context__
-        if isinstance(cause, ValueError):
-            raise ValueError(str(cause)) from None
-        raise ValueError(f"invalid config: {err}") from None
+        chain = [err]
+        while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        source = f" (config {config_path} and the command line)" if config_path else " (on the command line)"
+        for cause in chain:  # a value of the wrong type: draccus's message names the key, the root cause does not
+            if isinstance(cause, DecodingError):
+                raise ValueError(f"invalid config value{source}: {cause}") from None
+        if isinstance(chain[-1], ValueError):
+            raise ValueError(str(chain[-1])) from None
+        raise ValueError(f"invalid config{source}: {err}") from None
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not valid YAML: {err}") from None
 
 
 def config_keys_help(config_class: type = TrainConfig) -> str:

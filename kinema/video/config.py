@@ -10,6 +10,7 @@ unknown method or reward names the valid ones.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 from kinema.train import config as train_config
@@ -138,6 +139,12 @@ class EvalConfig:
 
 @dataclass
 class VideoTrainConfig:
+    # What the run's clips, pre-trained model, adapters and method state were made with: `--resume` refuses overrides
+    # of these (the device and dtype may change, e.g. to continue on a GPU).
+    RESUME_FIXED: ClassVar[tuple[str, ...]] = (
+        "seed", "model.preset", "model.path", "model.lora_rank", "model.lora_alpha", "data", "pretrain", "train.method",
+    )
+
     out: str = ""  # run folder; default runs/video-<method>-s<seed>
     seed: int = 0
     threads: int = 1  # torch threads: one is fastest on a shared CPU (DESIGN.md)
