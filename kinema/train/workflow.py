@@ -35,7 +35,7 @@ from kinema.board import Board
 from kinema.cputime import CpuClock
 from kinema.sim_commands import progress_bar
 from kinema.train.buffer import StepBuffer
-from kinema.train.config import REPLAY_MIXING, TrainConfig, dump_config
+from kinema.train.config import REPLAY_MIXING, PolicyOptions, TrainConfig, dump_config
 from kinema.train.credit import CriticState, awr_step_weights, habc_step_weights, refit_success_model
 from kinema.train.evaluate import ChunkPolicy, EvalResult, evaluate, summarize
 from kinema.train.ppo import (
@@ -130,6 +130,32 @@ class Run:
         if self.board is not None:
             self.board.resumed_after([json.loads(line) for line in kept])
         return state
+
+
+def read_collected(folder: Path, *, task: str, seeds: range) -> list[Episode] | None:
+    """The episodes an earlier start of this run collected into `folder` (None when there are none), reused only
+    if they are what this config collects now: the same task and seeds (so the same count). Otherwise a clear
+    error, rather than training a `stack` run on leftover `drawer` demos."""
+    if not (folder / "meta" / "info.json").exists():
+        return None
+    episodes = read_episodes(folder)
+    tasks = sorted({ep.task_id for ep in episodes})
+    found = sorted(ep.seed for ep in episodes)
+    if tasks != [task] or found != list(seeds):
+        raise ValueError(
+            f"{folder} holds {len(episodes)} episodes of {', '.join(tasks) or 'no task'} (seeds {found[0] if found else '-'}"
+            f"..{found[-1] if found else '-'}), left by an earlier start of this run, but this config collects "
+            f"{len(seeds)} of {task} (seeds {seeds.start}..{seeds.stop - 1}). Remove {folder} to collect afresh, or "
+            "choose another --out"
+        )
+    return episodes
+
+
+def warn_if_other_task(episodes: Sequence[Episode], task: str, source: str | Path, console: Console) -> None:
+    """A user's dataset of another task is allowed (e.g. a robot recording), but said so."""
+    others = sorted({ep.task_id for ep in episodes} - {task})
+    if others:
+        console.print(f"[yellow]note: {source} holds episodes of {', '.join(others)}, and this run's task is {task}[/yellow]")
 
 
 def save_checkpoint(
@@ -321,6 +347,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
 
     # 2. Demonstrations ------------------------------------------------------------------------------------------------
     demo_dir = run.root / "demos"
+    demo_seeds = range(cfg.seed * 10_000, cfg.seed * 10_000 + cfg.demos.episodes)
     if cfg.dataset:
         if (Path(cfg.dataset) / "dataset" / "meta" / "info.json").exists():
             cfg.dataset = str(Path(cfg.dataset) / "dataset")  # a `kinema deploy --record` folder: its dataset part
@@ -334,13 +361,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
             )
         demos = read_episodes(cfg.dataset)
         console.print(f"loaded {len(demos)} episodes from {cfg.dataset}")
-    elif (demo_dir / "meta" / "info.json").exists():
-        demos = read_episodes(demo_dir)
+        warn_if_other_task(demos, cfg.task, cfg.dataset, console)
+    elif (collected := read_collected(demo_dir, task=cfg.task, seeds=demo_seeds)) is not None:
+        demos = collected
     else:
         with progress_bar(console) as bar:
             job = bar.add_task("demonstrations", total=cfg.demos.episodes, status="")
             demos = collect_demos(
-                cfg.task, cfg.demos.episodes, seeds=range(cfg.seed * 10_000, cfg.seed * 10_000 + cfg.demos.episodes),
+                cfg.task, cfg.demos.episodes, seeds=demo_seeds,
                 expert=ExpertConfig(noise=cfg.demos.noise, hesitation=cfg.demos.hesitation, wrong_grasp=cfg.demos.wrong_grasp),
                 num_envs=cfg.num_envs, num_workers=cfg.workers, image_size=cfg.policy.image_size,
                 config=cfg.task_config or None, on_episode=lambda ep: bar.update(job, advance=1),
@@ -387,6 +415,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         if cfg.init_policy:
             # Branch from an existing SFT checkpoint: every method of a comparison starts from the same policy.
             policy = VLAPolicy.from_pretrained(cfg.init_policy)
+            _check_init_policy(policy, vla_config, cfg, console)
             sft_steps = 0
         else:
             sft_steps = cfg.sft.steps
@@ -549,6 +578,22 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     run.close()
     console.print(f"report: {run.root / 'report.md'}")
     return run.root
+
+
+def _check_init_policy(policy: VLAPolicy, wanted: VLAConfig, cfg: TrainConfig, console: Console) -> None:
+    """`init_policy` must be the policy the config describes (config.yaml is the run's record); a task it never saw
+    is allowed, said so, and added to what the checkpoint has seen."""
+    shared = [f.name for f in dataclasses.fields(PolicyOptions) if hasattr(wanted, f.name)]
+    if diffs := [f"policy.{k} {getattr(policy.config, k)!r} (config: {getattr(wanted, k)!r})" for k in shared
+                 if getattr(policy.config, k) != getattr(wanted, k)]:  # fmt: skip
+        raise ValueError(
+            f"init_policy {cfg.init_policy} is not the policy this config describes: {', '.join(diffs)}. Set those "
+            "policy.* keys to the checkpoint's values"
+        )
+    seen = list(policy.config.extra.get("tasks", []))
+    if cfg.task not in seen:
+        console.print(f"[yellow]note: init_policy was trained on {', '.join(seen) or 'no recorded task'}; {cfg.task} is unseen[/yellow]")
+        policy.config.extra["tasks"] = [*seen, cfg.task]
 
 
 @contextlib.contextmanager

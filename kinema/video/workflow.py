@@ -29,7 +29,7 @@ from rich.console import Console
 
 from diffusion_rl.data.lerobot_v3 import read_episodes, write_episodes
 from kinema.sim_commands import progress_bar
-from kinema.train.workflow import Run
+from kinema.train.workflow import Run, read_collected, warn_if_other_task
 from kinema.video.config import VideoTrainConfig, dump_config
 from kinema.video.report import write_grid, write_report, write_reward_curves, write_videos_mp4
 from kinema.video.trainer import VideoTrainer
@@ -53,15 +53,17 @@ def sim_clips(cfg: VideoTrainConfig, run: Run, console: Console) -> VideoClips:
 
     d = cfg.data
     folder = run.root / SIM_DIR
+    seeds = range(cfg.seed * 10_000, cfg.seed * 10_000 + d.episodes)
     if d.dataset:
         episodes = read_episodes(d.dataset)
-    elif (folder / "meta" / "info.json").exists():
-        episodes = read_episodes(folder)
+        warn_if_other_task(episodes, d.task, d.dataset, console)
+    elif (collected := read_collected(folder, task=d.task, seeds=seeds)) is not None:
+        episodes = collected
     else:
         with progress_bar(console) as bar:
             job = bar.add_task("sim videos", total=d.episodes, status=d.task)
             episodes = collect_demos(
-                d.task, d.episodes, seeds=range(cfg.seed * 10_000, cfg.seed * 10_000 + d.episodes),
+                d.task, d.episodes, seeds=seeds,
                 expert=ExpertConfig(noise=d.noise, wrong_grasp=d.wrong_grasp), num_envs=4,
                 image_size=max(64, d.size), on_episode=lambda ep: bar.update(job, advance=1),
             )  # fmt: skip
