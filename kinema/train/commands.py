@@ -21,11 +21,20 @@ def train_command(args: argparse.Namespace, overrides: list[str]) -> int:
 def eval_command(args: argparse.Namespace) -> int:
     import torch
 
-    from kinema.train.evaluate import evaluate
+    from kinema.train.evaluate import SPLITS, evaluate
     from policies.vla import VLAPolicy
     from sim.tasks import task_class
 
     task_class(args.task)
+    # Every argument is checked before the first episode, so that a typo cannot cost an evaluation or its old report.
+    splits = [split.strip() for split in args.splits.split(",")]
+    if bad := [split for split in splits if split not in SPLITS]:
+        raise ValueError(f"--splits: unknown split(s) {bad}; valid: {', '.join(SPLITS)} (comma-separated)")
+    if args.episodes < 1 or args.workers < 0 or args.videos < 0:
+        raise ValueError(f"--episodes must be >= 1, --workers and --videos >= 0; got {args.episodes}, {args.workers}, {args.videos}")
+    out = Path(args.out or Path(args.policy) / f"eval-{args.task}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; the report needs a folder")
     console = Console(stderr=True)
     # More than one intra-op thread spins against the env workers: an evaluation ran >10x slower on 2 cores.
     torch.set_num_threads(max(1, args.threads))
@@ -39,12 +48,11 @@ def eval_command(args: argparse.Namespace) -> int:
     seen = policy.config.extra.get("tasks", [])
     if seen and args.task not in seen:
         console.print(f"[yellow]note: this checkpoint was trained on {seen}, not on {args.task!r}: evaluating anyway")
-    out = Path(args.out or Path(args.policy) / f"eval-{args.task}")
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for split in args.splits.split(","):
+    for split in splits:
         res, _ = evaluate(
-            policy, args.task, episodes=args.episodes, split=split.strip(), num_workers=args.workers,
+            policy, args.task, episodes=args.episodes, split=split, num_workers=args.workers,
             image_size=policy.config.image_size, task_config=task_config,
         )  # fmt: skip
         results[split] = res.as_dict()

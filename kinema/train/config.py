@@ -160,6 +160,8 @@ class TrainConfig:
         for name, value in (("rl.ppo_target_kl", self.rl.ppo_target_kl), ("rl.ppo_kl_weight", self.rl.ppo_kl_weight)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0 (0 turns it off); got {value}")
+        if self.rl.habc.efficiency_target not in ("td", "mc"):
+            raise ValueError(f"rl.habc.efficiency_target {self.rl.habc.efficiency_target!r} is not known; valid: td, mc")
         if self.rl.success_target not in ("td", "mc"):
             raise ValueError(f"rl.success_target {self.rl.success_target!r} is not known; valid: td, mc")
         if self.rl.ppo_advantage not in PPO_ADVANTAGES:
@@ -171,11 +173,32 @@ class TrainConfig:
         if not 0.0 <= self.rl.demo_fraction <= 1.0:
             raise ValueError(f"rl.demo_fraction must be in [0, 1]; got {self.rl.demo_fraction}")
         for name, value in (
-            ("sft.steps", self.sft.steps), ("rl.rounds", self.rl.rounds), ("eval.episodes", self.eval.episodes),
+            ("sft.steps", self.sft.steps), ("rl.rounds", self.rl.rounds), ("rl.updates_per_round", self.rl.updates_per_round),
+            ("rl.habc.critic_steps", self.rl.habc.critic_steps), ("workers", self.workers),
             ("rl.habc.intervention_reweighting_after", self.rl.habc.intervention_reweighting_after),
         ):  # fmt: skip
             if value < 0:
                 raise ValueError(f"{name} must be >= 0; got {value}")
+        for name, value in (
+            ("sft.batch_size", self.sft.batch_size), ("rl.batch_size", self.rl.batch_size), ("threads", self.threads),
+            ("rl.episodes_per_round", self.rl.episodes_per_round), ("rl.group_size", self.rl.group_size),
+            ("rl.replay_rounds", self.rl.replay_rounds), ("num_envs", self.num_envs), ("eval.episodes", self.eval.episodes),
+            ("eval.round_episodes", self.eval.round_episodes),
+        ):  # fmt: skip
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1; got {value}")
+        if self.demos.episodes < 1 and not self.dataset:
+            raise ValueError(f"demos.episodes must be >= 1 (or give a dataset); got {self.demos.episodes}")
+        if not 0.0 <= self.policy.ema_decay < 1.0:
+            raise ValueError(f"policy.ema_decay must be in [0, 1) (0: no average); got {self.policy.ema_decay}")
+        # The policy's own rules (VLAConfig), checked now rather than after the demos are collected.
+        from policies.vla.configuration_vla import VLAConfig
+
+        names = {f.name for f in dataclasses.fields(VLAConfig)}
+        try:
+            VLAConfig(**{f.name: getattr(self.policy, f.name) for f in dataclasses.fields(PolicyOptions) if f.name in names})
+        except ValueError as err:
+            raise ValueError(str(err).replace("VLAConfig.", "policy.")) from None
 
     def run_dir(self) -> Path:
         return Path(self.out or f"runs/{self.task}-{self.rl.method}-s{self.seed}")
@@ -273,9 +296,9 @@ def load_config(
     try:
         return draccus.parse(config_class=config_class, config_path=config_path, args=list(overrides or []))
     except Exception as err:  # draccus wraps our own validation errors; surface the one that names the field
-        chain = [err]
-        while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
-            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        chain: list[BaseException] = [err]
+        while (nxt := _cause_of(chain[-1])) is not None:
+            chain.append(nxt)
         source = f" (config {config_path} and the command line)" if config_path else " (on the command line)"
         for cause in chain:  # a value of the wrong type: draccus's message names the key, the root cause does not
             if isinstance(cause, DecodingError):
@@ -283,6 +306,13 @@ def load_config(
         if isinstance(chain[-1], ValueError):
             raise ValueError(str(chain[-1])) from None
         raise ValueError(f"invalid config{source}: {err}") from None
+
+
+def _cause_of(err: BaseException) -> BaseException | None:
+    """The exception `err` was raised from or during, as Python itself would print it (`from None` hides it)."""
+    if err.__cause__ is not None:
+        return err.__cause__
+    return None if err.__suppress_context__ else err.__context__
 
 
 def _read_yaml(path: Path) -> Any:

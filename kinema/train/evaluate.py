@@ -87,6 +87,14 @@ def summarize(episodes: Sequence[Episode], split: str = "train") -> EvalResult:
     )
 
 
+# Evaluation splits: which instruction templates and object combinations the held-out seeds use.
+SPLITS = {
+    "train": dict(instructions="train", objects="train"),
+    "heldout_instructions": dict(instructions="heldout", objects="train"),
+    "heldout_objects": dict(instructions="train", objects="heldout"),
+}
+
+
 def evaluate(
     policy: Any,
     task: str,
@@ -102,16 +110,11 @@ def evaluate(
 ) -> tuple[EvalResult, list[Episode]]:
     """Roll the policy out on held-out seeds. `split`: "train" (training templates and objects),
     "heldout_instructions" (paraphrases) or "heldout_objects" (held-out object/colour combinations)."""
-    splits = {
-        "train": dict(instructions="train", objects="train"),
-        "heldout_instructions": dict(instructions="heldout", objects="train"),
-        "heldout_objects": dict(instructions="train", objects="heldout"),
-    }
-    if split not in splits:
-        raise ValueError(f"unknown evaluation split {split!r}; valid: {sorted(splits)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown evaluation split {split!r}; valid: {sorted(SPLITS)}")
     num_envs = max(1, min(num_envs, episodes))
     vector = make_vector(
-        task, num_envs, num_workers=min(num_workers, num_envs), image_size=image_size, config=task_config, **splits[split]
+        task, num_envs, num_workers=min(num_workers, num_envs), image_size=image_size, config=task_config, **SPLITS[split]
     )
     try:
         seeds = range(EVAL_SEED_OFFSET + seed, EVAL_SEED_OFFSET + seed + episodes)

@@ -164,6 +164,20 @@ class VideoTrainConfig:
             raise ValueError(f"rewards.balancing {self.rewards.balancing!r} is not known; valid: {', '.join(BALANCING)}")
         if not self.rewards.names:
             raise ValueError("rewards.names is empty; name at least one reward")
+        # Names and presets are checked now, not after the sim clips are collected and the success reward fitted.
+        from policies.video.configuration_video import preset_config
+        from policies.video.rewards.registry import reward_factory
+
+        for name in self.rewards.names:
+            try:
+                reward_factory(name)
+            except ValueError as err:
+                raise ValueError(f"rewards.names: {err}") from None
+        if not self.model.path:
+            try:
+                preset_config(self.model.preset)
+            except ValueError as err:
+                raise ValueError(f"model.preset: {err}") from None
         if self.rewards.weights and len(self.rewards.weights) != len(self.rewards.names):
             raise ValueError(
                 f"rewards.weights has {len(self.rewards.weights)} entries for {len(self.rewards.names)} rewards "
@@ -186,13 +200,14 @@ class VideoTrainConfig:
             raise ValueError(f"train.options.awr_eval_ema must be in [0, 1); got {self.train.options.awr_eval_ema}")
         if self.train.group_size < 2:
             raise ValueError(f"train.group_size must be >= 2 (group-relative advantages); got {self.train.group_size}")
-        if (self.data.frames - 1) % 4:
+        if self.data.frames < 1 or (self.data.frames - 1) % 4:
+            below = 4 * max(0, (self.data.frames - 1) // 4) + 1
             raise ValueError(
                 f"data.frames must be 4k + 1 (the Wan VAE compresses time by 4 after the first frame); got "
-                f"{self.data.frames}: use {4 * max(0, (self.data.frames - 1) // 4) + 1} or {4 * ((self.data.frames - 1) // 4 + 1) + 1}"
+                f"{self.data.frames}: use {below} or {below + 4}"
             )
-        if self.data.size % 16:
-            raise ValueError(f"data.size must be a multiple of 16 (the transformer's patches); got {self.data.size}")
+        if self.data.size < 16 or self.data.size % 16:
+            raise ValueError(f"data.size must be a positive multiple of 16 (the transformer's patches); got {self.data.size}")
         if not 0.0 <= self.anchor.ref_decay < 1.0:
             raise ValueError(f"anchor.ref_decay must be in [0, 1); got {self.anchor.ref_decay}")
         for name, value in (
@@ -211,9 +226,19 @@ class VideoTrainConfig:
             ("eval.samples_per_prompt", self.eval.samples_per_prompt),
             ("model.num_inference_steps", self.model.num_inference_steps),
             ("train.options.dmd_fake_updates", self.train.options.dmd_fake_updates),
+            ("pretrain.batch_size", self.pretrain.batch_size),
+            ("threads", self.threads),
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1; got {value}")
+        if self.data.episodes < 1 and not self.data.dataset:
+            raise ValueError(f"data.episodes must be >= 1 (or give data.dataset); got {self.data.episodes}")
+        import torch  # the device string as torch reads it, checked before any clip is collected
+
+        try:
+            torch.device(self.model.device)
+        except RuntimeError:
+            raise ValueError(f"model.device {self.model.device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
 
     def run_dir(self) -> Path:
         return Path(self.out or f"runs/video-{self.train.method}-s{self.seed}")

@@ -56,6 +56,20 @@ def _check_reward_object(reward: Any, source: str) -> VideoReward:
     return reward
 
 
+def reward_factory(name: str) -> Callable[..., Any]:
+    """What builds the reward `name`: a registry entry, or the object an import path 'pkg.mod:Class' names. An
+    unknown name lists the valid ones (configs call this up front, before any expensive work)."""
+    if ":" in name:
+        return _import_reward(name)
+    if name in REWARDS:
+        return REWARDS[name]
+    close = difflib.get_close_matches(name, list(REWARDS), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"unknown reward {name!r}; valid rewards: {', '.join(sorted(REWARDS))}, or an import path 'package.module:ClassName'.{hint}"
+    )
+
+
 def make_reward(spec: RewardSpec) -> VideoReward:
     """One reward from a registry name, an import path 'pkg.mod:Class', a dict {"name": ..., **kwargs}, or an object."""
     if isinstance(spec, VideoReward):
@@ -70,17 +84,7 @@ def make_reward(spec: RewardSpec) -> VideoReward:
         return _check_reward_object(spec, type(spec).__name__)
     else:
         raise TypeError(f"a reward spec is a name, an import path, a dict or a reward object; got {type(spec).__name__}")
-    if ":" in name:
-        factory = _import_reward(name)
-    elif name in REWARDS:
-        factory = REWARDS[name]
-    else:
-        close = difflib.get_close_matches(name, list(REWARDS), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(
-            f"unknown reward {name!r}; valid rewards: {', '.join(sorted(REWARDS))}, "
-            f"or an import path 'package.module:ClassName'.{hint}"
-        )
+    factory = reward_factory(name)
     try:
         reward = factory(**kwargs)
     except TypeError as e:
