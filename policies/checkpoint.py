@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 CONFIG_NAME = "config.json"
@@ -113,5 +114,14 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
     missing = [n for n in (CONFIG_NAME, WEIGHTS_NAME) if not (path / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{path} is not a kinema checkpoint: missing {', '.join(missing)}")
-    config = json.loads((path / CONFIG_NAME).read_text())
-    return config, load_file(str(path / WEIGHTS_NAME), device=map_location)
+    try:
+        config = json.loads((path / CONFIG_NAME).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path / CONFIG_NAME} is not valid JSON ({err}); the checkpoint is damaged") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / CONFIG_NAME} holds a {type(config).__name__}, not a config object; the checkpoint is damaged")
+    try:
+        weights = load_file(str(path / WEIGHTS_NAME), device=map_location)
+    except SafetensorError as err:  # truncated or overwritten: writes are atomic, so this is damage from outside
+        raise ValueError(f"{path / WEIGHTS_NAME} cannot be read as safetensors ({err}); the checkpoint is damaged") from None
+    return config, weights

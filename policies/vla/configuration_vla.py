@@ -119,6 +119,12 @@ class VLAConfig:
         unknown = set(data) - valid
         if unknown:
             raise ValueError(f"config.json has unknown VLA fields {sorted(unknown)}; valid: {sorted(valid)}")
+        for f in fields(cls):  # a hand-edited or damaged file: name the field rather than fail deep in __post_init__
+            if f.name in data and isinstance(f.default, (bool, int, float, str)):
+                kind, value = type(f.default), data[f.name]
+                fits = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+                if not (fits or (kind is float and isinstance(value, int) and not isinstance(value, bool))):
+                    raise ValueError(f"config.json field {f.name} is {value!r}; expected a {kind.__name__}")
         return cls(**data)
 
     ARCHITECTURE_FIELDS = (
