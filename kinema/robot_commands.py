@@ -118,7 +118,11 @@ def _sleep_until(predicate, timeout: float, step: float = 0.02) -> bool:
 def sim_robot(args: argparse.Namespace) -> int:
     from robot.config import load_robot_config
     from robot.sim_robot import SimRobotNode
+    from sim.tasks import task_class
 
+    if args.rate <= 0 or args.camera_rate <= 0 or args.seed < 0:
+        raise ValueError(f"--rate and --camera-rate must be > 0 and --seed >= 0; got {args.rate}, {args.camera_rate}, {args.seed}")
+    task_class(args.task)  # an unknown task lists the valid ones
     robot = load_robot_config(args.robot)
     with _transport(args, "kinema_sim_robot") as transport:
         node = SimRobotNode(transport, robot, args.task, seed=args.seed, state_hz=args.rate, camera_hz=args.camera_rate)
@@ -153,8 +157,10 @@ def deploy(args: argparse.Namespace) -> int:
     from robot.config import load_robot_config
     from robot.policy_node import PolicyNode
 
-    if args.episodes < 1 or args.duration <= 0:
-        raise ValueError(f"--episodes must be >= 1 and --duration > 0; got {args.episodes} and {args.duration}")
+    if args.episodes < 1 or args.duration <= 0 or args.wait_robot < 0:
+        raise ValueError(
+            f"--episodes must be >= 1, --duration > 0 and --wait-robot >= 0; got {args.episodes}, {args.duration}, {args.wait_robot}"
+        )
     if args.keys and not args.record:
         raise ValueError("--keys marks recorded episodes: it needs --record DIR")
     robot = load_robot_config(args.robot)

@@ -97,7 +97,16 @@ def load_policy(spec: str, *, control_hz: float = 20.0) -> Any:
             unknown = set(options) - {"task", "seed", "lag"}
             if unknown or "task" not in options:
                 raise ValueError(f"--policy {spec}: replay takes task=<name> (required), seed=<int>, lag=<ticks>; got {sorted(options)}")
-            return ExpertReplayPolicy(options["task"], int(options.get("seed", 0)), control_hz=control_hz, lag_ticks=int(options.get("lag", 1)))
+            from sim.tasks import task_class
+
+            task_class(options["task"])  # an unknown task lists the valid ones
+            numbers = {}
+            for key, default in (("seed", 0), ("lag", 1)):
+                try:
+                    numbers[key] = int(options.get(key, default))
+                except ValueError:
+                    raise ValueError(f"--policy {spec}: {key} must be an integer; got {options[key]!r}") from None
+            return ExpertReplayPolicy(options["task"], numbers["seed"], control_hz=control_hz, lag_ticks=numbers["lag"])
         raise ValueError(f"--policy {spec}: unknown scripted policy {name!r}; valid: {', '.join(SCRIPTED)}")
     path = Path(spec)
     if not (path / "config.json").is_file():

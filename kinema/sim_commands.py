@@ -76,6 +76,10 @@ def collect(args: argparse.Namespace) -> int:
         raise ValueError(f"--episodes must be at least 1; got {args.episodes}")
     if args.image_size < 16 or args.image_size % 2:
         raise ValueError(f"--image-size must be an even number >= 16 (H.264 video needs even sizes); got {args.image_size}")
+    if args.video and not str(args.video).endswith(".mp4"):
+        raise ValueError(f"--video must be an .mp4 file; got {args.video}")
+    if args.seed is not None and args.seed < 0:
+        raise ValueError(f"--seed must be >= 0; got {args.seed}")
     if args.workers < 0 or args.num_envs < 1:
         raise ValueError(f"--workers must be >= 0 and --num-envs >= 1; got {args.workers} and {args.num_envs}")
     try:

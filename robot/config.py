@@ -126,7 +126,7 @@ class RatesConfig:
 
 @dataclass
 class KinematicsConfig:
-    mjcf: str = ""  # MJCF of the arm for FK/IK; relative paths are relative to the YAML file
+    mjcf: str = ""  # MJCF of the arm for FK/IK; a relative path is looked up next to the YAML file, then in assets/robots
     ee_site: str = "ee"  # end-effector site in the MJCF
     pos_scale: float = 0.04  # metres of EE translation per control tick at |action| = 1 (the sim's POS_SCALE)
     rot_scale: float = 0.25  # radians of EE rotation per control tick at |action| = 1 (the sim's ROT_SCALE)
@@ -211,11 +211,17 @@ class RobotConfig:
         if not self.kinematics.mjcf:
             raise ValueError(f"robot {self.name!r}: kinematics.mjcf is not set; FK/IK need the arm's MJCF")
         path = Path(self.kinematics.mjcf)
-        if not path.is_absolute() and self.source:
-            path = Path(self.source).parent / path
-        if not path.is_file():
-            raise FileNotFoundError(f"robot {self.name!r}: kinematics.mjcf {path} does not exist")
-        return path
+        if path.is_absolute():
+            candidates = [path]
+        else:  # next to the YAML; then among the shipped ones, so that a copy of a shipped robot file still works
+            candidates = [Path(self.source).parent / path] if self.source else []
+            candidates.append(assets_dir() / "robots" / path)
+        for candidate in candidates:
+            if candidate.is_file():
+                return candidate
+        raise FileNotFoundError(
+            f"robot {self.name!r}: kinematics.mjcf {self.kinematics.mjcf} is in none of {', '.join(map(str, candidates))}"
+        )
 
     def gripper_targets(self, action: float) -> np.ndarray:
         """Finger positions for a gripper action in [-1, 1] (non-finite stays non-finite: the safety layer rejects it)."""
