@@ -104,6 +104,10 @@ def test_bad_collect_flags_name_the_flag(tmp_path: Path):
     assert result.returncode == 2 and "--image-size" in result.stderr
     result = kinema("sim", "collect", "--task", "push", "--episodes", "1", "--out", str(tmp_path / "x"), "--expert-noise", "-1")
     assert result.returncode == 2 and "--expert-noise" in result.stderr
+    for flag, value in (("--video", "preview.avi"), ("--seed", "-5")):
+        result = kinema("sim", "collect", "--task", "push", "--episodes", "1", "--out", str(tmp_path / "x"), flag, value)
+        assert result.returncode == 2 and flag in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "x").exists()
 
 
 def test_ctrl_c_between_episodes_keeps_the_finished_ones(tmp_path: Path, monkeypatch, capsys):

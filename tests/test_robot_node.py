@@ -483,6 +483,10 @@ def test_deploy_policy_specs_are_parsed_or_rejected_with_the_valid_choices(tmp_p
         load_policy("scripted:wave")
     with pytest.raises(ValueError, match="replay takes task=<name>"):
         load_policy("scripted:replay:seed=1")
+    with pytest.raises(ValueError, match="unknown task 'nope'; valid tasks: drawer"):
+        load_policy("scripted:replay:task=nope")
+    with pytest.raises(ValueError, match="seed must be an integer; got 'abc'"):
+        load_policy("scripted:replay:task=drawer:seed=abc")
     with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
         load_policy(str(tmp_path))
 

@@ -152,6 +152,22 @@ def test_limits_from_the_shipped_robot_config():
         SafetyLimits(lower=np.zeros(2), upper=np.zeros(2), max_step=np.ones(2))
 
 
+def test_a_copy_of_the_shipped_robot_file_finds_the_shipped_mjcf(tmp_path):
+    """The shipped file's header says to copy it; its relative `kinematics.mjcf` then resolved next to the copy only."""
+    import shutil
+
+    from robot.paths import assets_dir
+
+    copy = tmp_path / "my_arm.yaml"
+    shutil.copy(assets_dir() / "robots" / "sim_panda.yaml", copy)
+    assert load_robot_config(copy).mjcf_path() == assets_dir() / "robots" / "sim_panda.xml"
+    (tmp_path / "sim_panda.xml").write_text((assets_dir() / "robots" / "sim_panda.xml").read_text())
+    assert load_robot_config(copy).mjcf_path() == tmp_path / "sim_panda.xml"  # the user's own, next to the YAML, wins
+    copy.write_text(copy.read_text().replace("mjcf: sim_panda.xml", "mjcf: nowhere.xml"))
+    with pytest.raises(FileNotFoundError, match="kinematics.mjcf nowhere.xml is in none of"):
+        load_robot_config(copy).mjcf_path()
+
+
 # ----- nothing outside the joint limits is ever published (the reviewer's cases, limits [0, 1]) -----------------------
 def unit_limits() -> SafetyLimits:
     return SafetyLimits(lower=np.zeros(2), upper=np.ones(2), max_step=np.full(2, 0.1), state_timeout_s=1.0,

@@ -15,7 +15,7 @@ from test_board import scalars
 
 from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.train.config import load_config
-from policies.vla import VLAPolicy
+from policies.vla import VLAConfig, VLAPolicy
 
 TINY = [
     "--task", "drawer", "--demos.episodes", "4", "--sft.steps", "6", "--sft.batch_size", "8",
@@ -91,6 +91,12 @@ def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
     bad = kinema("eval", "--policy", str(run / "checkpoints" / "round-002"), "--task", "push", "--task-config", "[0]")
     assert bad.returncode != 0 and "--task-config must be a JSON object" in bad.stderr
     assert "unseen" in (out / "report.md").read_text()
+    # Bad arguments are refused before the first episode, and the earlier report stays.
+    before = (out / "eval.json").read_text()
+    for args, message in ((["--episodes", "0"], "--episodes must be >= 1"), (["--splits", "train,"], "unknown split")):
+        bad = kinema("eval", "--policy", str(run / "checkpoints" / "round-002"), "--task", "push", "--out", str(out), *args)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert (out / "eval.json").read_text() == before
 
 
 def test_fresh_train_refuses_an_existing_run(tmp_path: Path):
@@ -272,3 +278,41 @@ def test_curves_of_an_sft_only_run_say_there_were_no_rounds(tmp_path: Path):
         warnings.simplefilter("error")  # matplotlib warns when a legend has nothing to show
         path = write_curves([sft_eval], tmp_path / "curves.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_leftover_demos_of_another_task_or_seed_are_refused_not_reused(tmp_path: Path):
+    """A run that failed after collecting leaves `demos/`; starting the folder again reuses them only if they are
+    what the config collects (task and seeds); a `stack` run once trained on leftover `drawer` demos."""
+    from diffusion_rl.data.lerobot_v3 import write_episodes
+    from kinema.train.workflow import read_collected
+    from sim.rollout import collect_demos
+
+    folder = tmp_path / "demos"
+    assert read_collected(folder, task="drawer", seeds=range(2)) is None
+    write_episodes(folder, collect_demos("drawer", 2, seeds=range(2), image_size=32))
+    assert sorted(ep.seed for ep in read_collected(folder, task="drawer", seeds=range(2))) == [0, 1]
+    with pytest.raises(ValueError, match="2 episodes of drawer .* collects 2 of stack .* Remove"):
+        read_collected(folder, task="stack", seeds=range(2))
+    with pytest.raises(ValueError, match="collects 3 of drawer"):
+        read_collected(folder, task="drawer", seeds=range(3))
+    with pytest.raises(ValueError, match=r"seeds 10000\.\.10001"):
+        read_collected(folder, task="drawer", seeds=range(10_000, 10_002))
+
+
+def test_init_policy_must_match_the_config_and_an_unseen_task_is_noted(tmp_path: Path):
+    """`--init_policy` of another architecture was accepted silently, config.yaml then claiming what the run was
+    not; a checkpoint of another task is allowed but said so, and the task joins what the checkpoint has seen."""
+    from rich.console import Console
+
+    from kinema.train.workflow import train
+
+    ckpt = tmp_path / "sft"
+    VLAPolicy(VLAConfig(image_size=32, chunk_size=4, extra={"tasks": ["stack"]})).save_pretrained(ckpt)
+    base = [*TINY, "--rl.rounds", "0", "--eval.baseline", "false", "--init_policy", str(ckpt)]
+    with pytest.raises(ValueError, match=r"policy.chunk_size 4 \(config: 8\)"):
+        train(load_config(None, [*base, "--out", str(tmp_path / "a")]), console=Console(file=open(tmp_path / "a.log", "w")))
+    log = tmp_path / "b.log"
+    with log.open("w") as f:
+        run = train(load_config(None, [*base, "--policy.chunk_size", "4", "--out", str(tmp_path / "b")]), console=Console(file=f))
+    assert "trained on stack; drawer is unseen" in log.read_text()
+    assert VLAPolicy.from_pretrained(run / "checkpoints" / "sft").config.extra["tasks"] == ["stack", "drawer"]

@@ -19,7 +19,7 @@ from diffusion_rl.flow import sde_step_with_logprob
 from kinema.media import write_mp4
 from kinema.video.config import METHODS, VideoTrainConfig, load_video_config
 from kinema.video.trainer import BASE, REF, TRAINED, VideoTrainer, base_weights
-from kinema.video.workflow import build_rewards, load_teacher_clips
+from kinema.video.workflow import load_teacher_clips
 from policies.video.generator import VideoGenerator
 from policies.video.rewards import make_rewards
 from policies.video.rewards.base import VideoReward
@@ -182,11 +182,13 @@ def test_unknown_method_reward_or_shape_is_explained(tmp_path: Path):
         load_video_config(None, ["--data.frames", "8"])
     with pytest.raises(ValueError, match="rewards.weights has 1 entries for 2 rewards"):
         load_video_config(None, ["--rewards.names", "[success, motion]", "--rewards.weights", "[1.0]"])
-    cfg = load_video_config(None, ["--rewards.names", "[exposure, brightness]"])
-    from kinema.train.workflow import Run
-
-    with pytest.raises(ValueError, match="unknown reward 'brightness'; valid rewards: .*exposure.*motion.*success"):
-        build_rewards(cfg, None, Run(tmp_path, console=None), console=None)
+    # Names and presets are checked when the config loads, before any sim clip is collected.
+    with pytest.raises(ValueError, match="rewards.names: unknown reward 'brightness'; valid rewards: .*exposure.*motion.*success"):
+        load_video_config(None, ["--rewards.names", "[exposure, brightness]"])
+    with pytest.raises(ValueError, match="model.preset: unknown video generator preset 'huge'.*valid presets"):
+        load_video_config(None, ["--model.preset", "huge"])
+    with pytest.raises(ValueError, match="model.device 'tpu' is not a torch device"):
+        load_video_config(None, ["--model.device", "tpu"])
 
 
 def kinema_video(*args: str) -> subprocess.CompletedProcess:

@@ -149,6 +149,24 @@ def test_checkpoint_of_another_architecture_is_refused(tmp_path):
         VLAPolicy.from_pretrained(str(tmp_path / "empty"))
 
 
+def test_a_damaged_checkpoint_names_the_file_and_the_field(tmp_path):
+    path = tmp_path / "a"
+    VLAPolicy(tiny_config()).save_pretrained(str(path))
+    good_config, good_weights = (path / "config.json").read_text(), (path / "model.safetensors").read_bytes()
+    (path / "config.json").write_text(good_config.replace('"image_size": 32', '"image_size": "big"'))
+    assert '"big"' in (path / "config.json").read_text()
+    with pytest.raises(ValueError, match="config.json field image_size is 'big'; expected a int"):
+        VLAPolicy.from_pretrained(str(path))
+    for text, match in (("[1, 2]", "holds a list"), ('{"policy_type": "vla",', "is not valid JSON")):
+        (path / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=f"config.json {match}.*damaged"):
+            VLAPolicy.from_pretrained(str(path))
+    (path / "config.json").write_text(good_config)
+    (path / "model.safetensors").write_bytes(good_weights[: len(good_weights) // 2])  # a copy cut short
+    with pytest.raises(ValueError, match="model.safetensors cannot be read as safetensors.*damaged"):
+        VLAPolicy.from_pretrained(str(path))
+
+
 def test_tokenizer_handles_unseen_words_and_is_stable_across_processes():
     tok = HashTokenizer(4096, 16)
     ids, mask = tok(["put the red cube on the dish", "x"])
