@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 DEFAULT_ROBOT = "sim_panda"
@@ -161,6 +162,8 @@ def deploy(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--episodes must be >= 1, --duration > 0 and --wait-robot >= 0; got {args.episodes}, {args.duration}, {args.wait_robot}"
         )
+    if args.record and Path(args.record).exists() and not Path(args.record).is_dir():
+        raise ValueError(f"--record {args.record} is a file; recordings go to a folder (LeRobotDataset v3 + MCAP)")
     if args.keys and not args.record:
         raise ValueError("--keys marks recorded episodes: it needs --record DIR")
     robot = load_robot_config(args.robot)

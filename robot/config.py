@@ -285,7 +285,8 @@ def resolve_robot_path(name: str | Path) -> Path:
         if candidate.is_file():
             return candidate
     shipped = sorted(p.stem for p in robots_dir().glob("*.yaml"))
-    raise FileNotFoundError(f"robot config {name} does not exist; shipped robots: {', '.join(shipped) or 'none'}")
+    what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+    raise FileNotFoundError(f"robot config {name} {what}; shipped robots: {', '.join(shipped) or 'none'}")
 
 
 def robot_config_from_dict(data: dict[str, Any], *, source: str = "<dict>") -> RobotConfig:
@@ -302,7 +303,10 @@ def robot_config_from_dict(data: dict[str, Any], *, source: str = "<dict>") -> R
 
 def load_robot_config(name: str | Path = "sim_panda") -> RobotConfig:
     path = resolve_robot_path(name)
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not valid YAML: {err}") from None
     return robot_config_from_dict(data, source=str(path.resolve()))
 
 

@@ -166,6 +166,11 @@ def test_a_copy_of_the_shipped_robot_file_finds_the_shipped_mjcf(tmp_path):
     copy.write_text(copy.read_text().replace("mjcf: sim_panda.xml", "mjcf: nowhere.xml"))
     with pytest.raises(FileNotFoundError, match="kinematics.mjcf nowhere.xml is in none of"):
         load_robot_config(copy).mjcf_path()
+    with pytest.raises(FileNotFoundError, match="is a folder, not a YAML file"):
+        load_robot_config(tmp_path)
+    copy.write_text("joints: [\n")
+    with pytest.raises(ValueError, match="my_arm.yaml is not valid YAML"):
+        load_robot_config(copy)
 
 
 # ----- nothing outside the joint limits is ever published (the reviewer's cases, limits [0, 1]) -----------------------

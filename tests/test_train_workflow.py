@@ -128,6 +128,8 @@ def test_bad_values_and_bad_yaml_name_the_key_or_the_file(tmp_path: Path):
         load_config(str(bad))
     result = kinema("train", "--config", str(bad))
     assert result.returncode == 2 and "is not valid YAML" in result.stderr and "Traceback" not in result.stderr
+    with pytest.raises(FileNotFoundError, match="is a folder, not a YAML file"):
+        load_config(str(tmp_path))
 
 
 @pytest.mark.parametrize("config_class", ["train", "video"])

@@ -235,7 +235,8 @@ def resolve_config_path(name: str) -> Path:
         if candidate.is_file():
             return candidate
     names = sorted(p.stem for p in shipped.glob("*.yaml"))
-    raise FileNotFoundError(f"config file {name} does not exist; shipped configs: {', '.join(names)}")
+    what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+    raise FileNotFoundError(f"config file {name} {what}; shipped configs: {', '.join(names)}")
 
 
 def load_run_config(
