@@ -97,6 +97,7 @@ def collect(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     first_seed = args.seed if args.seed is not None else _next_seed(args.out, overwrite=args.overwrite)
     preview: list[np.ndarray] = []
+    kept_seeds: list[int] = []
     stats = {"success": 0, "takeovers": 0, "done": 0, "writing": 0, "interrupted": 0}
     # An existing kinema dataset is extended (so re-running a command adds episodes); --overwrite replaces it.
     mode = "w" if args.overwrite else "a"
@@ -107,6 +108,7 @@ def collect(args: argparse.Namespace) -> int:
             stats["writing"] = 1
             writer.add_episode(ep)
             stats["writing"] = 0
+            kept_seeds.append(ep.seed)
             stats["done"] += 1
             stats["success"] += ep.outcome
             stats["takeovers"] += sum(who == ExecutedBy.HUMAN for _, _, who in ep.segments())
@@ -131,9 +133,18 @@ def collect(args: argparse.Namespace) -> int:
         write_mp4(args.video, np.stack(preview), CONTROL_HZ)
     success = f" (success {stats['success'] / stats['done']:.0%})" if stats["done"] else ""
     if stats["interrupted"]:
+        # Envs finish out of order: seeds below the last kept one may be missing, and a plain extension (which
+        # starts after the dataset's last seed) would never collect them.
+        gaps = sorted(set(range(first_seed, max(kept_seeds, default=first_seed - 1) + 1)) - set(kept_seeds))
+        after = args.episodes - stats["done"] - len(gaps)  # the seeds past the last kept one
+        hints = [f"kinema sim collect --task {args.task} --out {args.out} --episodes {after} (same flags, without "
+                 "--overwrite and --seed)"] if after else []  # fmt: skip
+        if gaps:
+            hints.append(f"seeds {', '.join(map(str, gaps))} were started but not finished: add each with --seed S --episodes 1")
         console.print(
-            f"[yellow]interrupted: kept the {stats['done']} finished episodes in {args.out}{success}; the same command "
-            "with --episodes set to the rest extends the dataset from the next seed[/yellow]"
+            f"interrupted: kept the {stats['done']} finished episodes in {args.out}{success}. "
+            + ("To add the rest: " + "; ".join(hints) if hints else ""),
+            style="yellow", markup=False,
         )
         return 130
     console.print(f"wrote {stats['done']} episodes to {args.out}{success}" + (f"; preview {args.video}" if args.video else ""))

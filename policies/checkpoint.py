@@ -107,7 +107,8 @@ def save_checkpoint(
     return Path(directory)
 
 
-def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_checkpoint_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's config.json alone (cheap: no weights are read), checked to be a whole checkpoint folder."""
     path = Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint folder at {path}")
@@ -120,6 +121,12 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
         raise ValueError(f"{path / CONFIG_NAME} is not valid JSON ({err}); the checkpoint is damaged") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path / CONFIG_NAME} holds a {type(config).__name__}, not a config object; the checkpoint is damaged")
+    return config
+
+
+def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    path = Path(directory)
+    config = load_checkpoint_config(path)
     try:
         weights = load_file(str(path / WEIGHTS_NAME), device=map_location)
     except SafetensorError as err:  # truncated or overwritten: writes are atomic, so this is damage from outside

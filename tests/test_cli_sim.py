@@ -135,5 +135,6 @@ def test_ctrl_c_between_episodes_keeps_the_finished_ones(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(sim_commands, "collect_episodes", interrupted_after_two)
     assert main([*args, "--episodes", "6"]) == 130
-    assert "kept the 2 finished episodes" in capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
+    assert "kept the 2 finished episodes" in err and f"--out {out_dir} --episodes 4" in err
     assert sorted(ep.seed for ep in read_episodes(out_dir)) == [0, 1, 2]

@@ -155,7 +155,7 @@ def test_a_damaged_checkpoint_names_the_file_and_the_field(tmp_path):
     good_config, good_weights = (path / "config.json").read_text(), (path / "model.safetensors").read_bytes()
     (path / "config.json").write_text(good_config.replace('"image_size": 32', '"image_size": "big"'))
     assert '"big"' in (path / "config.json").read_text()
-    with pytest.raises(ValueError, match="config.json field image_size is 'big'; expected a int"):
+    with pytest.raises(ValueError, match="config.json field image_size is 'big'; expected int"):
         VLAPolicy.from_pretrained(str(path))
     for text, match in (("[1, 2]", "holds a list"), ('{"policy_type": "vla",', "is not valid JSON")):
         (path / "config.json").write_text(text)

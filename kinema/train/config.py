@@ -8,6 +8,7 @@ An unknown key, in the file or on the command line, is an error that lists the v
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -126,11 +127,20 @@ class PolicyOptions:
     augment_shift: int = 4  # random-shift augmentation in training (pixels); 0 disables
     ema_decay: float = 0.995  # the acting/evaluated policy is an EMA of the trained weights (0: no average)
 
+    def vla_fields(self) -> dict[str, Any]:
+        """The options that are VLAConfig fields (all but ema_decay): the one mapping from these keys to the policy."""
+        from policies.vla.configuration_vla import VLAConfig
+
+        names = {f.name for f in dataclasses.fields(VLAConfig)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in names}
+
 
 @dataclass
 class TrainConfig:
     # What the run's demos, SFT and checkpoints were made with: `--resume` refuses overrides of these.
-    RESUME_FIXED: ClassVar[tuple[str, ...]] = ("task", "task_config", "seed", "dataset", "init_policy", "policy", "demos", "sft")
+    RESUME_FIXED: ClassVar[tuple[str, ...]] = (
+        "task", "task_config", "seed", "dataset", "init_policy", "policy", "demos", "sft", "rl.method", "rl.interventions",
+    )  # fmt: skip
 
     task: str = "drawer"  # the task family (kinema sim list); drawer is the quickest to learn on a CPU
     task_config: dict[str, Any] = field(default_factory=dict)  # overrides of the task's difficulty config
@@ -194,9 +204,8 @@ class TrainConfig:
         # The policy's own rules (VLAConfig), checked now rather than after the demos are collected.
         from policies.vla.configuration_vla import VLAConfig
 
-        names = {f.name for f in dataclasses.fields(VLAConfig)}
         try:
-            VLAConfig(**{f.name: getattr(self.policy, f.name) for f in dataclasses.fields(PolicyOptions) if f.name in names})
+            VLAConfig(**self.policy.vla_fields())
         except ValueError as err:
             raise ValueError(str(err).replace("VLAConfig.", "policy.")) from None
 
@@ -249,13 +258,12 @@ def load_run_config(
     saved = Path(resume) / "config.yaml"
     if not saved.is_file():
         raise FileNotFoundError(f"{resume} is not a kinema run folder (no config.yaml)")
-    before = load_config(str(saved), ["--out", str(resume)], config_class=config_class)
     after = load_config(str(saved), [*overrides, "--out", str(resume)], config_class=config_class)
     # Checked before the run rewrites its config.yaml: a refused override must leave the run resumable as it was.
+    # Only keys the file holds: one an older kinema did not write has no saved value to keep.
     fixed = getattr(config_class, "RESUME_FIXED", ())
-    old, new = _flatten(dataclasses.asdict(before)), _flatten(dataclasses.asdict(after))
-    keys = sorted(old.keys() | new.keys())
-    changed = [k for k in keys if old.get(k) != new.get(k) and any(k == f or k.startswith(f + ".") for f in fixed)]
+    old, new = _flatten(_read_yaml(saved) or {}), _flatten(dataclasses.asdict(after))
+    changed = [k for k in sorted(old) if any(k == f or k.startswith(f + ".") for f in fixed) and not _same(old[k], new.get(k))]
     if changed:
         diffs = ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
         raise ValueError(
@@ -264,6 +272,15 @@ def load_run_config(
             "--out) to change them"
         )
     return after
+
+
+def _same(saved: Any, value: Any) -> bool:
+    """A saved config value and a new one mean the same (a path spelt another way, a tuple read back as a list)."""
+    if isinstance(saved, str) and isinstance(value, str) and saved and value:
+        return saved == value or os.path.realpath(saved) == os.path.realpath(value)
+    if isinstance(value, tuple):
+        value = list(value)
+    return saved == value
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

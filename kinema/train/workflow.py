@@ -35,9 +35,9 @@ from kinema.board import Board
 from kinema.cputime import CpuClock
 from kinema.sim_commands import progress_bar
 from kinema.train.buffer import StepBuffer
-from kinema.train.config import REPLAY_MIXING, PolicyOptions, TrainConfig, dump_config
+from kinema.train.config import REPLAY_MIXING, TrainConfig, dump_config
 from kinema.train.credit import CriticState, awr_step_weights, habc_step_weights, refit_success_model
-from kinema.train.evaluate import ChunkPolicy, EvalResult, evaluate, summarize
+from kinema.train.evaluate import SPLITS, ChunkPolicy, EvalResult, evaluate, summarize
 from kinema.train.ppo import (
     flow_ppo_updates,
     gae_chunk_advantages,
@@ -45,7 +45,7 @@ from kinema.train.ppo import (
     restrict_to_flow_grpo_settings,
 )
 from kinema.train.report import record_videos, write_curves, write_report
-from policies.checkpoint import atomic_file, set_aside, write_text_atomic
+from policies.checkpoint import atomic_file, load_checkpoint_config, set_aside, write_text_atomic
 from policies.vla import VLAConfig, VLAPolicy
 from sim.experts import ExpertConfig
 from sim.monitor import MonitorConfig
@@ -132,28 +132,51 @@ class Run:
         return state
 
 
-def read_collected(folder: Path, *, task: str, seeds: range) -> list[Episode] | None:
+COLLECTED_WITH = "collected_with.json"  # beside a run's collected episodes: what collected them
+
+
+def read_collected(folder: Path, *, task: str, seeds: range, settings: dict[str, Any]) -> list[Episode] | None:
     """The episodes an earlier start of this run collected into `folder` (None when there are none), reused only
-    if they are what this config collects now: the same task and seeds (so the same count). Otherwise a clear
-    error, rather than training a `stack` run on leftover `drawer` demos."""
+    if they are what this config collects now: the same task and seeds, and the same collection `settings` (expert
+    noise, image size, task config: see `write_collected`). Otherwise a clear error, rather than training a `stack`
+    run on leftover `drawer` demos."""
     if not (folder / "meta" / "info.json").exists():
         return None
     episodes = read_episodes(folder)
     tasks = sorted({ep.task_id for ep in episodes})
     found = sorted(ep.seed for ep in episodes)
+    recorded = folder / COLLECTED_WITH
+    saved = json.loads(recorded.read_text()).get("settings") if recorded.is_file() else None  # None: older runs
+    wanted = json.loads(json.dumps(settings, default=list))  # as it reads back from JSON
+    problems = []
     if tasks != [task] or found != list(seeds):
+        problems.append(
+            f"{len(episodes)} episodes of {', '.join(tasks) or 'no task'} (seeds {found[0] if found else '-'}"
+            f"..{found[-1] if found else '-'}), where this config collects {len(seeds)} of {task} (seeds "
+            f"{seeds.start}..{seeds.stop - 1})"
+        )
+    if saved is not None and saved != wanted:
+        problems += [f"{k} {saved.get(k)!r} (this config: {wanted.get(k)!r})" for k in sorted(saved.keys() | wanted.keys())
+                     if saved.get(k) != wanted.get(k)]  # fmt: skip
+    if problems:
         raise ValueError(
-            f"{folder} holds {len(episodes)} episodes of {', '.join(tasks) or 'no task'} (seeds {found[0] if found else '-'}"
-            f"..{found[-1] if found else '-'}), left by an earlier start of this run, but this config collects "
-            f"{len(seeds)} of {task} (seeds {seeds.start}..{seeds.stop - 1}). Remove {folder} to collect afresh, or "
-            "choose another --out"
+            f"{folder} was collected by an earlier start of this run with other settings: {'; '.join(problems)}. "
+            f"Remove {folder} to collect afresh, or choose another --out"
         )
     return episodes
 
 
+def write_collected(folder: Path, episodes: Sequence[Episode], *, settings: dict[str, Any]) -> list[Episode]:
+    """Write freshly collected episodes with the settings that collected them, and read them back: a run trains on
+    what is on disk, exactly as a resumed or restarted run will."""
+    write_episodes(folder, episodes)
+    write_text_atomic(folder / COLLECTED_WITH, json.dumps({"settings": settings}, indent=2, default=list))
+    return read_episodes(folder)
+
+
 def warn_if_other_task(episodes: Sequence[Episode], task: str, source: str | Path, console: Console) -> None:
     """A user's dataset of another task is allowed (e.g. a robot recording), but said so."""
-    others = sorted({ep.task_id for ep in episodes} - {task})
+    others = sorted({ep.task_id or "unlabelled" for ep in episodes} - {task})
     if others:
         console.print(f"[yellow]note: {source} holds episodes of {', '.join(others)}, and this run's task is {task}[/yellow]")
 
@@ -308,7 +331,7 @@ def rollouts(
 
 
 def evaluate_all(policy: VLAPolicy, cfg: TrainConfig, episodes: int, *, heldout: bool) -> dict[str, EvalResult]:
-    splits = ["train", "heldout_instructions", "heldout_objects"] if heldout else ["train"]
+    splits = list(SPLITS) if heldout else ["train"]
     out = {}
     for split in splits:
         try:
@@ -342,12 +365,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         raise FileNotFoundError(f"nothing to resume in {run.root}: no {STATE_FILE} (start it without --resume)")
     if not resume and run.state():
         raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
+    # Checked before the demos are collected; a resumed run loads its own checkpoint instead.
+    init_changes = _check_init_policy(cfg, console) if cfg.init_policy and not state.get("latest_checkpoint") else {}
     write_text_atomic(run.root / "config.yaml", dump_config(cfg))
     cameras = ("agentview", "wrist")
 
     # 2. Demonstrations ------------------------------------------------------------------------------------------------
     demo_dir = run.root / "demos"
     demo_seeds = range(cfg.seed * 10_000, cfg.seed * 10_000 + cfg.demos.episodes)
+    demo_settings = {"demos": dataclasses.asdict(cfg.demos), "task_config": cfg.task_config, "image_size": cfg.policy.image_size}
     if cfg.dataset:
         if (Path(cfg.dataset) / "dataset" / "meta" / "info.json").exists():
             cfg.dataset = str(Path(cfg.dataset) / "dataset")  # a `kinema deploy --record` folder: its dataset part
@@ -362,7 +388,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         demos = read_episodes(cfg.dataset)
         console.print(f"loaded {len(demos)} episodes from {cfg.dataset}")
         warn_if_other_task(demos, cfg.task, cfg.dataset, console)
-    elif (collected := read_collected(demo_dir, task=cfg.task, seeds=demo_seeds)) is not None:
+    elif (collected := read_collected(demo_dir, task=cfg.task, seeds=demo_seeds, settings=demo_settings)) is not None:
         demos = collected
     else:
         with progress_bar(console) as bar:
@@ -373,8 +399,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                 num_envs=cfg.num_envs, num_workers=cfg.workers, image_size=cfg.policy.image_size,
                 config=cfg.task_config or None, on_episode=lambda ep: bar.update(job, advance=1),
             )  # fmt: skip
-        write_episodes(demo_dir, demos)
-        demos = read_episodes(demo_dir)  # train on what is on disk, exactly as a resumed or branched run will
+        demos = write_collected(demo_dir, demos, settings=demo_settings)
     demo_success = float(np.mean([e.outcome for e in demos])) if demos else 0.0
     demos = [ep for ep in demos if ep.outcome]  # imitate successes only
     if not demos:
@@ -384,14 +409,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
 
     # 3. Policy and SFT ------------------------------------------------------------------------------------------------
     aux_dim = demo_buffer.aux.shape[1] if (demo_buffer.aux is not None and cfg.sft.aux_weight > 0) else 0
-    vla_config = VLAConfig(
-        backbone=cfg.policy.backbone, cameras=cameras, image_size=cfg.policy.image_size, chunk_size=cfg.policy.chunk_size,
-        n_action_steps=cfg.policy.n_action_steps, num_flow_steps=cfg.policy.num_flow_steps, aux_dim=aux_dim,
-        backbone_path=cfg.policy.backbone_path, backbone_layers=cfg.policy.backbone_layers,
-        backbone_image_size=cfg.policy.backbone_image_size, lora_rank=cfg.policy.lora_rank,
-        freeze_vision=cfg.policy.freeze_vision, aux_input=cfg.policy.aux_input, state_dropout=cfg.policy.state_dropout,
-        augment_shift=cfg.policy.augment_shift, extra={"tasks": [cfg.task]},
-    )  # fmt: skip
+    vla_config = VLAConfig(**cfg.policy.vla_fields(), cameras=cameras, aux_dim=aux_dim, extra={"tasks": [cfg.task]})
     policy = VLAPolicy(vla_config)
     policy.set_normalization(demo_buffer.stats())
     critics = CriticState(vla_config.hidden_dim, critic_lr=cfg.rl.habc.critic_lr, value_scale=cfg.rl.habc.value_scale)
@@ -415,7 +433,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         if cfg.init_policy:
             # Branch from an existing SFT checkpoint: every method of a comparison starts from the same policy.
             policy = VLAPolicy.from_pretrained(cfg.init_policy)
-            _check_init_policy(policy, vla_config, cfg, console)
+            for key, value in init_changes.items():  # read by the policy at each use: no rebuild needed
+                setattr(policy.config, key, value)
+            seen = list(policy.config.extra.get("tasks", []))
+            policy.config.extra["tasks"] = seen if cfg.task in seen else [*seen, cfg.task]
             sft_steps = 0
         else:
             sft_steps = cfg.sft.steps
@@ -580,20 +601,27 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     return run.root
 
 
-def _check_init_policy(policy: VLAPolicy, wanted: VLAConfig, cfg: TrainConfig, console: Console) -> None:
-    """`init_policy` must be the policy the config describes (config.yaml is the run's record); a task it never saw
-    is allowed, said so, and added to what the checkpoint has seen."""
-    shared = [f.name for f in dataclasses.fields(PolicyOptions) if hasattr(wanted, f.name)]
-    if diffs := [f"policy.{k} {getattr(policy.config, k)!r} (config: {getattr(wanted, k)!r})" for k in shared
-                 if getattr(policy.config, k) != getattr(wanted, k)]:  # fmt: skip
+def _check_init_policy(cfg: TrainConfig, console: Console) -> dict[str, Any]:
+    """`init_policy` must be the policy the config describes (config.yaml is the run's record), checked from its
+    config.json before any demo is collected. Architecture fields must match; the others (execution and training
+    options such as policy.n_action_steps) are returned, to be applied to the loaded policy. A task it never saw is
+    allowed and said so."""
+    saved = VLAConfig.from_dict(load_checkpoint_config(cfg.init_policy))
+    wanted = VLAConfig(**cfg.policy.vla_fields())
+    differ = [k for k in cfg.policy.vla_fields() if getattr(saved, k) != getattr(wanted, k)]
+    if fixed := [k for k in differ if k in VLAConfig.ARCHITECTURE_FIELDS]:
+        diffs = ", ".join(f"policy.{k} {getattr(saved, k)!r} (config: {getattr(wanted, k)!r})" for k in fixed)
         raise ValueError(
-            f"init_policy {cfg.init_policy} is not the policy this config describes: {', '.join(diffs)}. Set those "
+            f"init_policy {cfg.init_policy} has another architecture than this config describes: {diffs}. Set those "
             "policy.* keys to the checkpoint's values"
         )
-    seen = list(policy.config.extra.get("tasks", []))
+    changes = {k: getattr(wanted, k) for k in differ}
+    if changes:
+        console.print(f"note: the config's {', '.join(f'policy.{k}={v!r}' for k, v in changes.items())} replace init_policy's")
+    seen = list(saved.extra.get("tasks", []))
     if cfg.task not in seen:
         console.print(f"[yellow]note: init_policy was trained on {', '.join(seen) or 'no recorded task'}; {cfg.task} is unseen[/yellow]")
-        policy.config.extra["tasks"] = [*seen, cfg.task]
+    return changes
 
 
 @contextlib.contextmanager

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from diffusion_rl.data.lerobot_v3 import read_episodes, write_episodes
+from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.sim_commands import progress_bar
-from kinema.train.workflow import Run, read_collected, warn_if_other_task
+from kinema.train.workflow import Run, read_collected, warn_if_other_task, write_collected
 from kinema.video.config import VideoTrainConfig, dump_config
 from kinema.video.report import write_grid, write_report, write_reward_curves, write_videos_mp4
 from kinema.video.trainer import VideoTrainer
@@ -54,10 +54,11 @@ def sim_clips(cfg: VideoTrainConfig, run: Run, console: Console) -> VideoClips:
     d = cfg.data
     folder = run.root / SIM_DIR
     seeds = range(cfg.seed * 10_000, cfg.seed * 10_000 + d.episodes)
+    settings = {"noise": d.noise, "wrong_grasp": d.wrong_grasp, "image_size": max(64, d.size)}
     if d.dataset:
         episodes = read_episodes(d.dataset)
         warn_if_other_task(episodes, d.task, d.dataset, console)
-    elif (collected := read_collected(folder, task=d.task, seeds=seeds)) is not None:
+    elif (collected := read_collected(folder, task=d.task, seeds=seeds, settings=settings)) is not None:
         episodes = collected
     else:
         with progress_bar(console) as bar:
@@ -65,9 +66,9 @@ def sim_clips(cfg: VideoTrainConfig, run: Run, console: Console) -> VideoClips:
             episodes = collect_demos(
                 d.task, d.episodes, seeds=seeds,
                 expert=ExpertConfig(noise=d.noise, wrong_grasp=d.wrong_grasp), num_envs=4,
-                image_size=max(64, d.size), on_episode=lambda ep: bar.update(job, advance=1),
+                image_size=settings["image_size"], on_episode=lambda ep: bar.update(job, advance=1),
             )  # fmt: skip
-        write_episodes(folder, episodes)
+        episodes = write_collected(folder, episodes, settings=settings)
     return episode_clips(episodes, frames=d.frames, size=d.size, camera=d.camera)
 
 

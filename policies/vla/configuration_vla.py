@@ -124,7 +124,7 @@ class VLAConfig:
                 kind, value = type(f.default), data[f.name]
                 fits = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
                 if not (fits or (kind is float and isinstance(value, int) and not isinstance(value, bool))):
-                    raise ValueError(f"config.json field {f.name} is {value!r}; expected a {kind.__name__}")
+                    raise ValueError(f"config.json field {f.name} is {value!r}; expected {kind.__name__}")
         return cls(**data)
 
     ARCHITECTURE_FIELDS = (
