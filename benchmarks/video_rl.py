@@ -58,6 +58,7 @@ from kinema.video.trainer import VideoTrainer  # noqa: E402
 from kinema.video.workflow import pretrain  # noqa: E402
 from policies.video.generator import VideoGenerator  # noqa: E402
 from policies.video.rewards import VideoReward, make_rewards  # noqa: E402
+from policies.video.rewards.registry import REWARDS  # noqa: E402
 
 COLOURS = {"red": (0.9, 0.15, 0.1), "green": (0.1, 0.8, 0.2), "blue": (0.15, 0.25, 0.95), "yellow": (0.95, 0.9, 0.1)}
 METHODS = ("awr", "nft", "distill", "flow_grpo")
@@ -123,6 +124,9 @@ class PositionTarget(VideoReward):
         return {"position": -(self.centroid(videos) - self.target_fraction).abs().mean(1)}
 
 
+REWARDS.setdefault("position", PositionTarget)  # by name, as a user's reward can be: configs check their reward names
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Pre-training and one method's run
 # ----------------------------------------------------------------------------------------------------------------
@@ -134,10 +138,8 @@ def pretrain_toy(videos: Tensor, prompts: list[str], *, frames: int, size: int, 
     return gen
 
 
-def run_method(method: str, base_dir: Path, args: argparse.Namespace, reward: PositionTarget, *, budget: float,
-               marks: tuple[float, ...] = ()) -> dict:
-    """Train one method for `budget` CPU seconds of this process (evaluation excluded); evaluate every
-    `args.eval_every` rounds, at the end, and on crossing each of `marks` (Flow-GRPO: the others' budget)."""
+def method_config(method: str, args: argparse.Namespace):
+    """One method's config: the same toy, schedule and learning rate for every method, plus its `--set` overrides."""
     overrides = [
         "--train.method", method, "--seed", str(args.seed), "--data.frames", str(args.frames), "--data.size", str(args.size),
         "--model.num_inference_steps", str(args.steps), "--train.prompts_per_round", "4",
@@ -151,7 +153,14 @@ def run_method(method: str, base_dir: Path, args: argparse.Namespace, reward: Po
     if args.ref_weight is not None:  # every method's anchor: λ of ‖v_θ − v_base‖², Flow-GRPO's per-step KL weight β
         overrides += ["--anchor.kl_weight" if method == "flow_grpo" else "--anchor.ref_weight", str(args.ref_weight)]
     overrides += [o for spec in args.set for o in _method_override(spec, method)]
-    cfg = load_video_config(None, overrides)
+    return load_video_config(None, overrides)
+
+
+def run_method(method: str, base_dir: Path, args: argparse.Namespace, reward: PositionTarget, *, budget: float,
+               marks: tuple[float, ...] = ()) -> dict:
+    """Train one method for `budget` CPU seconds of this process (evaluation excluded); evaluate every
+    `args.eval_every` rounds, at the end, and on crossing each of `marks` (Flow-GRPO: the others' budget)."""
+    cfg = method_config(method, args)
     # peft draws the LoRA A matrices from torch's global generator: re-seeded per method, every method starts from
     # the same adapter whatever ran before it in this process (and a `--methods` subset reproduces its run).
     torch.manual_seed(args.seed)

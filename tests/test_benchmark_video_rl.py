@@ -69,3 +69,16 @@ def test_across_seeds_reports_the_lower_median_and_ranks_a_failed_seed_lowest():
     four = [seed_summary(0, None), seed_summary(1, None), seed_summary(2, 6.0), seed_summary(3, 7.0)]
     assert video_rl.across_seeds(four)["speedup_vs_flow_grpo"] is None
     assert video_rl.across_seeds(five[:2] + five[2:3] + [seed_summary(3, 2.0)])["speedup_vs_flow_grpo"] == pytest.approx(2.0)
+
+
+def test_every_methods_config_loads_with_the_benchmarks_reward_by_name():
+    """The configs check reward names up front; the benchmark's `position` reward is registered by name, so every
+    method's config loads (it once failed after the check was added), and a `--set` reaches its method only."""
+    import argparse
+
+    args = argparse.Namespace(seed=0, frames=5, size=16, steps=4, lr=1e-3, eval_samples=4, group=None, updates=None,
+                              ref_weight=None, set=["awr:train.options.awr_shared_noise=true"])  # fmt: skip
+    for method in video_rl.METHODS:
+        cfg = video_rl.method_config(method, args)
+        assert cfg.train.method == method and cfg.rewards.names == ["position"]
+        assert cfg.train.options.awr_shared_noise == (method == "awr")

@@ -380,6 +380,21 @@ def test_awr_reference_schedule_and_shifted_timesteps():
     assert not torch.isclose(allowed, torch.tensor(0.55)).any()  # 0.55 is on the unshifted grid, not the shifted one
 
 
+def test_awr_shared_noise_gives_a_group_one_timestep_and_one_noise():
+    """`awr_shared_noise` (ours): the samples of one prompt group are noised alike, so they differ by x0 alone."""
+    trainer, _, _ = make_trainer("awr")
+    x0 = torch.randn(6, 4, 2, 4, 4)
+    groups = torch.tensor([3, 3, 1, 1, 1, 7])
+    x_t, t, noise = trainer.method.noised(x0, low=0.5, groups=groups)
+    for g in (3, 1):
+        rows = groups == g
+        assert (t[rows] == t[rows][0]).all() and (noise[rows] == noise[rows][0]).all()
+    assert not torch.equal(noise[0], noise[2]) and not torch.equal(noise[2], noise[5])
+    assert torch.allclose(x_t, (1 - t.view(-1, 1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1, 1) * noise)
+    _, _, own = trainer.method.noised(x0, low=0.5)  # the default: one draw per sample
+    assert len({tuple(n.flatten()[:3].tolist()) for n in own}) == 6
+
+
 def test_awr_evaluates_a_separate_ema_of_the_trained_adapter():
     trainer, gen, cfg = make_trainer("awr", "--train.lr", "3e-3")
     assert trainer.eval_ema is not None and trainer.eval_ema.decay == 0.9

@@ -90,6 +90,9 @@ class MethodOptions:
     awr_rollout_guidance: float = 1.5  # CFG scale of the reference's rollouts (the anchor stays unguided); 3.0 stalled
     # the tiny model (its unconditional branch is weak), 1.0-1.5 learnt (benchmarks/video_rl.py toy)
     awr_t_low: float = 0.5  # decoupled per-sample timesteps from [t_low, 1] of the model's 20-step schedule (high noise)
+    # Ours: the samples of one prompt group share the training timestep and noise (common random numbers), so a
+    # group's targets differ by their x0 alone. FlowAWR draws them per sample (False).
+    awr_shared_noise: bool = False
     awr_eval_ema: float = 0.9  # FlowAWR evaluates a separate EMA of the trained weights with this decay (0: the raw adapter)
     nft_beta: float = 1.0  # DiffusionNFT's β
     adv_clip_max: float = 5.0

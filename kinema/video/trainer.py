@@ -238,12 +238,20 @@ class Method:
         pass
 
     # Shared pieces --------------------------------------------------------------------------------------------------
-    def noised(self, x0: Tensor, *, low: float = 0.0, high: float = 1.0, schedule: Tensor | None = None):
+    def noised(self, x0: Tensor, *, low: float = 0.0, high: float = 1.0, schedule: Tensor | None = None,
+               groups: Tensor | None = None):
+        """x_t, t, noise for clean latents x0. With `groups` (B,), the samples of one group share their t and noise
+        (common random numbers: a group's samples then differ only in x0, so the noise cancels between them)."""
         # Drawn by the trainer's CPU generator, then moved to the latents' device: the draws (and so a resumed
         # run) are the same on every device, and the generator's state is what the checkpoint stores.
         sched = None if schedule is None else schedule.cpu()
-        t = sample_time(x0.shape[0], low=low, high=high, schedule=sched, generator=self.tr.rng).to(x0.device)
-        noise = torch.randn(x0.shape, generator=self.tr.rng).to(x0.device, x0.dtype)
+        if groups is None:
+            rows, n = torch.arange(x0.shape[0]), x0.shape[0]
+        else:
+            _, rows = torch.unique(groups.cpu(), return_inverse=True)
+            n = int(rows.max()) + 1
+        t = sample_time(n, low=low, high=high, schedule=sched, generator=self.tr.rng)[rows].to(x0.device)
+        noise = torch.randn((n, *x0.shape[1:]), generator=self.tr.rng)[rows].to(x0.device, x0.dtype)
         return interpolate(x0, noise, t), t, noise
 
     def student_trajectory(self, embeds: Tensor) -> tuple[Tensor, dict[str, Any]]:
@@ -285,7 +293,8 @@ class VideoAWR(Method):
     def loss(self, ro, idx, update):
         x0, emb = ro.latents[idx], ro.embeds[idx]
         # The model's own (shifted) 20-step schedule: Wan's shift 3-5 puts these steps at other noise levels.
-        x_t, t, _ = self.noised(x0, low=self.opt.awr_t_low, schedule=self.tr.model.schedule(20))
+        groups = ro.group_ids[idx] if self.opt.awr_shared_noise else None
+        x_t, t, _ = self.noised(x0, low=self.opt.awr_t_low, schedule=self.tr.model.schedule(20), groups=groups)
         m = self.tr.model
         v_old, v_base = m.velocities(x_t, t, emb, (REF, BASE))  # unguided: the anchor may not use CFG
         v_theta = m.velocity(x_t, t, emb, TRAINED)
