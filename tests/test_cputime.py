@@ -45,7 +45,9 @@ def test_counts_workers_of_a_forkserver():
 
     child_cpu(0.0)  # the server's own start-up is not what is measured
     idle = child_cpu(0.0)  # a worker's start (it imports this module, so torch) is real CPU and counted too
-    assert 0.35 <= child_cpu(0.4) - idle < 0.75
+    # A worker's start-up (~2 CPU-s, torch's import) varies by ~0.1-0.3 s on a loaded machine (CI once measured 0.30 for
+    # a 0.4 s burn): a longer burn keeps the bounds tight around what must be counted, and double counting outside.
+    assert 1.2 <= child_cpu(1.5) - idle < 2.2
 
 
 def test_run_records_carry_cpu_seconds_across_a_resume(tmp_path):

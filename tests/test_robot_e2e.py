@@ -124,8 +124,9 @@ def test_a_scripted_policy_completes_episodes_over_dds_and_they_are_recorded(pro
     recorded = [dataset[i] for i in range(len(dataset))]
     assert len(recorded) == 2 and all(ep.outcome for ep in recorded)
     for ep, result in zip(recorded, episodes):
-        # Sampled at 20 Hz from the episode's start to its success (the reset in between is not recorded).
-        assert abs(len(ep) - 20 * result["seconds"]) <= 6, (len(ep), result)
+        # Sampled at 20 Hz from the episode's start to its success (the reset in between is not recorded). A loaded CPU
+        # makes the real-time loop drop ticks (CI with five busy processes: 22 steps in 1.73 s), never add them.
+        assert 0.5 * 20 * result["seconds"] - 6 <= len(ep) <= 20 * result["seconds"] + 6, (len(ep), result)
         assert ep.observations["observation.state"].shape[1] == 8 and ep.action.shape[1] == 7
         assert (ep.executed_by == ExecutedBy.POLICY).all() and (np.abs(ep.action) <= 1).all()
 
