@@ -607,9 +607,11 @@ def _check_init_policy(cfg: TrainConfig, console: Console) -> dict[str, Any]:
     options such as policy.n_action_steps) are returned, to be applied to the loaded policy. A task it never saw is
     allowed and said so."""
     saved = VLAConfig.from_dict(load_checkpoint_config(cfg.init_policy))
-    wanted = VLAConfig(**cfg.policy.vla_fields())
-    differ = [k for k in cfg.policy.vla_fields() if getattr(saved, k) != getattr(wanted, k)]
-    if fixed := [k for k in differ if k in VLAConfig.ARCHITECTURE_FIELDS]:
+    fields = cfg.policy.vla_fields()
+    wanted = VLAConfig(**fields)
+    differ = [k for k in fields if getattr(saved, k) != getattr(wanted, k)]
+    # The backbone is loaded from the checkpoint's own path: another path in the config cannot be applied afterwards.
+    if fixed := [k for k in differ if k in VLAConfig.ARCHITECTURE_FIELDS or k == "backbone_path"]:
         diffs = ", ".join(f"policy.{k} {getattr(saved, k)!r} (config: {getattr(wanted, k)!r})" for k in fixed)
         raise ValueError(
             f"init_policy {cfg.init_policy} has another architecture than this config describes: {diffs}. Set those "
