@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-class DEFAULTS(argparse.ArgumentDefaultsHelpFormatter):
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every plain option's --help states its default, unless it is required or has none (None, "")."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
@@ -22,7 +22,7 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
     sim_sub.add_parser("list", help="tasks, with their instruction templates")
 
     collect = sim_sub.add_parser(
-        "collect", help="scripted-expert episodes to a LeRobotDataset v3 folder", formatter_class=DEFAULTS
+        "collect", help="scripted-expert episodes to a LeRobotDataset v3 folder", formatter_class=DefaultsHelpFormatter
     )
     collect.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
     collect.add_argument("--episodes", type=int, required=True, help="number of episodes")
@@ -49,7 +49,7 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
     collect.add_argument("--workers", type=int, default=0, help="worker processes (0 = in this process)")
     collect.add_argument("--video", default=None, help="also write a preview MP4 of the first episodes here")
 
-    render = sim_sub.add_parser("render", help="a scripted rollout as an MP4 video", formatter_class=DEFAULTS)
+    render = sim_sub.add_parser("render", help="a scripted rollout as an MP4 video", formatter_class=DefaultsHelpFormatter)
     render.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
     render.add_argument("--out", required=True, help="output .mp4 file")
     render.add_argument("--episodes", type=int, default=1, help="episodes, one after another")
@@ -73,7 +73,7 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--config", default=None, help="YAML config: a path, or a shipped name (drawer_habc, ...); default: the embedded config")
     train.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
 
-    ev = sub.add_parser("eval", help="evaluate a policy checkpoint in simulation and write a report", formatter_class=DEFAULTS)
+    ev = sub.add_parser("eval", help="evaluate a policy checkpoint in simulation and write a report", formatter_class=DefaultsHelpFormatter)
     ev.add_argument("--policy", required=True, help="checkpoint folder (config.json + model.safetensors)")
     ev.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
     ev.add_argument("--episodes", type=int, default=100, help="episodes per split, on held-out seeds")

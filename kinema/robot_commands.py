@@ -35,7 +35,7 @@ LOCAL_HELP = (
 
 
 def add_robot_commands(sub: argparse._SubParsersAction) -> None:
-    from kinema.cli import DEFAULTS
+    from kinema.cli import DefaultsHelpFormatter
     from robot.transport import BACKENDS
 
     deploy = sub.add_parser(
@@ -43,7 +43,7 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
         help="run a policy on a ROS 2 arm (or `kinema sim-robot`) behind the safety layer, with human takeover",
         description="Run a policy as a ROS 2 node: /joint_states and cameras in, joint position commands out, "
         "through the safety layer. A human can take over on the takeover topic at any moment.",
-        formatter_class=DEFAULTS,
+        formatter_class=DefaultsHelpFormatter,
     )
     deploy.add_argument(
         "--policy", required=True,
@@ -67,7 +67,7 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
         "sim-robot",
         help="a MuJoCo task as a ROS 2 robot: /joint_states, cameras, position/trajectory commands, success",
         description="Expose a sim task as a ros2_control-like robot, stepping physics in real time.",
-        formatter_class=DEFAULTS,
+        formatter_class=DefaultsHelpFormatter,
     )
     simr.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
     simr.add_argument("--robot", default=DEFAULT_ROBOT, help="robot config YAML, or a shipped name")
