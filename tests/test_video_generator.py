@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -362,6 +363,23 @@ def test_missing_component_error_names_it(gen, tmp_path):
         VideoGenerator.from_pretrained(folder)
     with pytest.raises(FileNotFoundError, match="no video generator folder"):
         VideoGenerator.from_pretrained(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("damage", ["truncated transformer weights", "bad text encoder config", "bad scheduler config"])
+def test_damaged_component_error_names_it_and_the_file(gen, tmp_path, damage):
+    folder = gen.save_pretrained(tmp_path / "m")
+    if damage == "truncated transformer weights":
+        (weights,) = (folder / "transformer").glob("*.safetensors")
+        weights.write_bytes(weights.read_bytes()[:100])
+        component = "transformer"
+    elif damage == "bad text encoder config":
+        (folder / "text_encoder" / "config.json").write_text("{not json")
+        component = "text_encoder"
+    else:
+        (folder / "scheduler" / "scheduler_config.json").write_text("{not json")
+        component = "scheduler"
+    with pytest.raises(ValueError, match=rf"the '{component}' component in {re.escape(str(folder / component))} could not be loaded"):
+        VideoGenerator.from_pretrained(folder)
 
 
 def test_bare_diffusers_folder_loads_with_config_read_off_the_components(tmp_path):

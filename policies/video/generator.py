@@ -47,6 +47,7 @@ from policies.video.modeling_wan import (
     build_text_encoder,
     build_transformer,
     build_vae,
+    component_loading,
     config_from_components,
     load_component,
     load_text_encoder,
@@ -187,10 +188,13 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
         vae = load_component(path, "vae", torch_dtype=torch_dtype)
         with quiet_transformers():
             text_encoder = load_text_encoder(path / "text_encoder", torch_dtype=torch_dtype)
-            tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", local_files_only=True)
-        sched_cfg = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
+            with component_loading(path / "tokenizer", "tokenizer"):
+                tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", local_files_only=True)
+        with component_loading(path / "scheduler", "scheduler"):
+            sched_cfg = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
         if sched_cfg.get("_class_name") == "FlowMatchEulerDiscreteScheduler":
-            scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path / "scheduler", local_files_only=True)
+            with component_loading(path / "scheduler", "scheduler"):
+                scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path / "scheduler", local_files_only=True)
         else:
             shift = sched_cfg.get("flow_shift", sched_cfg.get("shift", 1.0))
             warnings.warn(

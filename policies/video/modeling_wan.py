@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -273,13 +274,26 @@ COMPONENT_CLASSES: dict[str, dict[str, type]] = {
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@contextmanager
+def component_loading(folder: Path, component: str):
+    """Turn a damaged component (truncated weights, bad JSON, a wrongly typed config field) into an error naming the
+    component and its folder; a missing file stays the FileNotFoundError that names it."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        raise ValueError(f"the '{component}' component in {folder} could not be loaded: {type(e).__name__}: {e}") from e
+
+
 def load_component(path: Path, component: str, *, torch_dtype: torch.dtype | None = None):
     """A diffusers model folder `path/component`, its class read from `_class_name` (only the classes we know)."""
     folder = path / component
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} is missing the '{component}' component's config: expected {cfg_file}")
-    class_name = json.loads(cfg_file.read_text()).get("_class_name")
+    with component_loading(folder, component):
+        class_name = json.loads(cfg_file.read_text()).get("_class_name")
     classes = COMPONENT_CLASSES[component]
     if class_name not in classes:
         raise ValueError(f"{cfg_file}: unsupported {component} class {class_name!r}; supported: {sorted(classes)}")
@@ -287,7 +301,8 @@ def load_component(path: Path, component: str, *, torch_dtype: torch.dtype | Non
     if not (any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))):
         raise FileNotFoundError(f"{path} is missing the '{component}' component's weights in {folder}")
     kwargs = {"torch_dtype": torch_dtype} if torch_dtype is not None else {}
-    return cls.from_pretrained(folder, local_files_only=True, **kwargs)
+    with component_loading(folder, component):
+        return cls.from_pretrained(folder, local_files_only=True, **kwargs)
 
 
 def load_text_encoder(folder: Path, *, torch_dtype: torch.dtype | None = None):
@@ -296,12 +311,14 @@ def load_text_encoder(folder: Path, *, torch_dtype: torch.dtype | None = None):
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"missing the 'text_encoder' component's config: expected {cfg_file}")
-    arch = (json.loads(cfg_file.read_text()).get("architectures") or ["UMT5EncoderModel"])[0]
+    with component_loading(folder, "text_encoder"):
+        arch = (json.loads(cfg_file.read_text()).get("architectures") or ["UMT5EncoderModel"])[0]
     allowed = ("UMT5EncoderModel", "T5EncoderModel")
     if arch not in allowed:
         raise ValueError(f"{cfg_file}: unsupported text encoder {arch!r}; supported: {list(allowed)}")
     kwargs = {"dtype": torch_dtype} if torch_dtype is not None else {}
-    return getattr(transformers, arch).from_pretrained(folder, local_files_only=True, **kwargs)
+    with component_loading(folder, "text_encoder"):
+        return getattr(transformers, arch).from_pretrained(folder, local_files_only=True, **kwargs)
 
 
 def config_from_components(transformer, vae, scheduler, overrides: dict[str, Any]) -> VideoGeneratorConfig:
