@@ -27,6 +27,8 @@ CPU), with `sft_then_habc`: the compute HABC needs for a task from nothing.
     python benchmarks/vla_rl.py --quick                       # one task, the headline arms, tiny budget
     python benchmarks/vla_rl.py --tasks drawer --seeds 2      # runs one after another, with a live progress bar
     python benchmarks/vla_rl.py --jobs 8 --out runs/bench     # 8 runs at once (logs in runs/bench/logs/)
+    python benchmarks/vla_rl.py --tasks push --methods habc,sft_continued --out runs/staged \
+        --start 'runs/bench/{task}-s{seed}/sft_continued'     # branch from the control's end: SFT to its plateau, then RL
 
 Runs are folders under --out; a finished run is reused and an interrupted one resumed, so a killed benchmark
 continues where it stopped and more seeds or methods can be added later.
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from kinema.train.config import load_run_config
 from kinema.train.workflow import train
@@ -194,10 +197,42 @@ def _run_minutes(run: Path) -> float:
     return (records[-1]["time"] - min((run / "config.yaml").stat().st_mtime, records[0]["time"])) / 60
 
 
-def _run_cpu_minutes(run: Path) -> float | None:
-    """CPU minutes one run spent, env workers included (its last record's `cpu_s`; None for runs that predate it)."""
+def _run_cpu_minutes(run: Path, *, chain: bool = False) -> float | None:
+    """CPU minutes one run spent, env workers included (its last record's `cpu_s`; None for runs that predate it).
+    With `chain`, also those of the runs it branched from (its `init_policy` inside another run's checkpoints)."""
     cpu = _records(run)[-1].get("cpu_s")
-    return None if cpu is None else cpu / 60
+    if cpu is None:
+        return None
+    parent = _run_config(run).get("init_policy") or ""
+    if chain and parent and Path(parent).parent.name == "checkpoints" and (Path(parent).parent.parent / "metrics.jsonl").exists():
+        before = _run_cpu_minutes(Path(parent).parent.parent, chain=True)
+        return None if before is None else cpu / 60 + before
+    return cpu / 60
+
+
+def _run_config(run: Path) -> dict:
+    return yaml.safe_load((run / "config.yaml").read_text()) or {}
+
+
+def _run_dataset(run: Path) -> Path:
+    """The demonstrations a run trained on: its `dataset`, or the demos it collected."""
+    dataset = _run_config(run).get("dataset") or ""
+    return Path(dataset) if dataset else run / "demos"
+
+
+def _start_run(pattern: str, task: str, seed: int, parser: argparse.ArgumentParser) -> Path:
+    try:
+        run = Path(pattern.format(task=task, seed=seed))
+    except (KeyError, IndexError, ValueError) as err:
+        parser.error(f"--start {pattern!r}: only {{task}} and {{seed}} can be filled in ({err})")
+    if not _final_done(run):
+        parser.error(f"--start: {run} is not a finished `kinema train` run (expected its state.json with the final "
+                     "evaluation done, and checkpoints/final)")
+    if not (run / "checkpoints" / "final").is_dir():
+        parser.error(f"--start: {run} has no checkpoints/final to branch from")
+    if _run_config(run).get("task") != task:
+        parser.error(f"--start: {run} is a run of task {_run_config(run).get('task')!r}, not {task!r}")
+    return run
 
 
 def final_eval(run: Path, stage: str) -> dict:
@@ -215,6 +250,13 @@ def main() -> None:
         "--config", default="{task}_habc",
         help="base config of each task's runs: a YAML path or shipped name; {task} is replaced by the task "
         "(default: the shipped <task>_habc.yaml, which sets the demo count and SFT budget that place SFT at 20-60%%)",
+    )
+    parser.add_argument(
+        "--start", default="", metavar="RUN",
+        help="branch every arm from this finished run instead of the benchmark's own SFT: a run folder with {task} "
+        "and {seed}, e.g. runs/bench_vla_rl/{task}-s{seed}/sft_continued (a two-stage protocol: imitation to its "
+        "plateau first, so that the control has little left to gain). Its final checkpoint is the start, its final "
+        "evaluation the `sft` row, and its CPU minutes with those of the runs it branched from the start's budget",
     )
     parser.add_argument("--out", default="runs/bench_vla_rl")
     parser.add_argument("--jobs", type=int, default=1,
@@ -234,10 +276,14 @@ def main() -> None:
     # one resumed, so a killed benchmark continues where it stopped.
     configs = {task: args.config.format(task=task) if args.config else None for task in tasks}
     sft_jobs, arm_jobs = [], []
+    starts = {(task, seed): _start_run(args.start, task, seed, parser) if args.start else out / f"{task}-s{seed}" / "sft"
+              for task in tasks for seed in range(seeds)}  # fmt: skip
     for task in tasks:
         for seed in range(seeds):
-            base = out / f"{task}-s{seed}" / "sft"
-            if not _sft_done(base):
+            base = starts[task, seed]
+            start_checkpoint, demos = (base / "checkpoints" / "final", _run_dataset(base)) if args.start else (
+                base / "checkpoints" / "sft", base / "demos")  # fmt: skip
+            if not args.start and not _sft_done(base):
                 if base.exists():  # an SFT killed before its checkpoint and evaluation: it has no round to resume
                     set_aside(base, f"{base.name}-interrupted")
                     for arm in base.parent.iterdir():  # arms branched from that SFT do not belong to the new one
@@ -251,7 +297,7 @@ def main() -> None:
                         set_aside(run, f"{run.name}-interrupted")
                     arm_jobs.append(Job(run, configs[task], [
                         *base_overrides, *METHODS[method], "--task", task, "--seed", str(seed), "--init_policy",
-                        str(base / "checkpoints" / "sft"), "--dataset", str(base / "demos"), "--eval.baseline", "false",
+                        str(start_checkpoint), "--dataset", str(demos), "--eval.baseline", "false",
                     ]))  # fmt: skip
     run_jobs(sft_jobs, jobs_at_once=args.jobs, logs=out / "logs")
     run_jobs(arm_jobs, jobs_at_once=args.jobs, logs=out / "logs")
@@ -262,16 +308,19 @@ def main() -> None:
     run_minutes: dict[str, float] = {}  # task -> the wall minutes its runs took, summed
     cpu_minutes: dict[str, dict[str, float]] = {}  # task -> arm -> CPU minutes per run, mean over seeds
     for task in tasks:
-        runs = [out / f"{task}-s{seed}" / m for seed in range(seeds) for m in ["sft", *methods]]
+        def run_of(seed: int, m: str) -> Path:
+            return starts[task, seed] if m == "sft" else out / f"{task}-s{seed}" / m
+
+        runs = [run_of(seed, m) for seed in range(seeds) for m in ["sft", *methods]]
         run_minutes[task] = round(sum(_run_minutes(r) for r in runs), 1)
         for m in ["sft", *methods]:
-            spent = [c for seed in range(seeds) if (c := _run_cpu_minutes(out / f"{task}-s{seed}" / m)) is not None]
+            spent = [c for seed in range(seeds) if (c := _run_cpu_minutes(run_of(seed, m), chain=m == "sft")) is not None]
             if spent:
                 cpu_minutes.setdefault(task, {})[m] = round(float(np.mean(spent)), 2)
         if {"sft", "habc"} <= cpu_minutes.get(task, {}).keys():  # HABC's budget for the task: its SFT, then its RL
             cpu_minutes[task]["sft_then_habc"] = round(cpu_minutes[task]["sft"] + cpu_minutes[task]["habc"], 2)
         for seed in range(seeds):
-            sft = final_eval(out / f"{task}-s{seed}" / "sft", "sft")
+            sft = final_eval(starts[task, seed], "final" if args.start else "sft")
             _add(rows["sft"], sft, sft)
             _add_task(per_task, task, "sft", sft)
             for method in methods:
@@ -316,7 +365,7 @@ def main() -> None:
               + (f"  | HABC - best baseline {100 * by_task[task]['habc_margin_over_best_baseline']:+.0f} pts" if "habc_margin_over_best_baseline" in by_task[task] else ""))
     summary["per_task_success"] = by_task
     # Wall minutes of this invocation (runs finished earlier and reused count zero), with the jobs it ran at once.
-    summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "jobs": args.jobs,
+    summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "jobs": args.jobs, "start": args.start or "sft",
                         "runs_trained": len(sft_jobs) + len(arm_jobs), "minutes": round((time.time() - started) / 60, 1),
                         "task_run_minutes": run_minutes, "cpu_minutes_per_run": cpu_minutes}
     print(json.dumps(summary))

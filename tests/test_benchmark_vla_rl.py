@@ -57,6 +57,17 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     assert {"sft-interrupted", "sft_continued-interrupted", "awr-interrupted-2"} <= {p.name for p in runs.iterdir()}
     assert all(json.loads((runs / m / "state.json").read_text()).get("final_done") for m in ("sft_continued", "awr"))
 
+    # --start: the arms branch from the control's final checkpoint, whose final evaluation is the `sft` row and whose
+    # CPU minutes, with its SFT's, are the start's budget.
+    staged = bench(tmp_path / "staged", "--methods", "awr", "--start", str(runs.parent / "{task}-s{seed}" / "sft_continued"))
+    assert staged["_meta"]["runs_trained"] == 1 and staged["_meta"]["start"].endswith("{task}-s{seed}/sft_continued")
+    assert staged["sft"]["success"] == third["sft_continued"]["success"]
+    config = (tmp_path / "staged_quick" / "drawer-s0" / "awr" / "config.yaml").read_text()
+    assert f"init_policy: {runs / 'sft_continued' / 'checkpoints' / 'final'}" in config
+    assert f"dataset: {runs / 'sft' / 'demos'}" in config
+    cpu_start = staged["_meta"]["cpu_minutes_per_run"]["drawer"]["sft"]
+    assert cpu_start == pytest.approx(third["_meta"]["cpu_minutes_per_run"]["drawer"]["sft"] + third["_meta"]["cpu_minutes_per_run"]["drawer"]["sft_continued"], abs=0.02)
+
 
 def test_an_unknown_arm_is_refused_with_the_valid_ones(tmp_path: Path):
     done = subprocess.run(
@@ -65,3 +76,14 @@ def test_an_unknown_arm_is_refused_with_the_valid_ones(tmp_path: Path):
     )  # fmt: skip
     assert done.returncode == 2 and "unknown arm(s) hbac; valid: sft_continued" in done.stderr
     assert not (tmp_path / "bench").exists()  # refused before any run starts
+
+
+def test_a_start_that_is_not_a_finished_run_is_refused(tmp_path: Path):
+    (tmp_path / "drawer-s0" / "sft_continued").mkdir(parents=True)
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--tasks", "drawer", "--seeds", "1", "--methods", "habc", "--out", str(tmp_path / "bench"),
+         "--start", str(tmp_path / "{task}-s{seed}" / "sft_continued")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "drawer-s0/sft_continued is not a finished `kinema train` run" in done.stderr
+    assert not (tmp_path / "bench").exists()
