@@ -278,6 +278,9 @@ def main() -> None:
     sft_jobs, arm_jobs = [], []
     starts = {(task, seed): _start_run(args.start, task, seed, parser) if args.start else out / f"{task}-s{seed}" / "sft"
               for task in tasks for seed in range(seeds)}  # fmt: skip
+    arm_runs = {(out / f"{task}-s{seed}" / m).resolve() for task in tasks for seed in range(seeds) for m in methods}
+    if args.start and (clash := [run for run in starts.values() if run.resolve() in arm_runs]):
+        parser.error(f"--start: {clash[0]} is also where an arm of this --out trains; give the arms another --out")
     for task in tasks:
         for seed in range(seeds):
             base = starts[task, seed]

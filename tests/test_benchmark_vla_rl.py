@@ -65,6 +65,12 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     config = (tmp_path / "staged_quick" / "drawer-s0" / "awr" / "config.yaml").read_text()
     assert f"init_policy: {runs / 'sft_continued' / 'checkpoints' / 'final'}" in config
     assert f"dataset: {runs / 'sft' / 'demos'}" in config
+    clash = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--out", str(out), "--methods", "sft_continued", "--start",
+         str(runs.parent / "{task}-s{seed}" / "sft_continued"), *TINIER],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert clash.returncode == 2 and "is also where an arm of this --out trains" in clash.stderr
     cpu_start = staged["_meta"]["cpu_minutes_per_run"]["drawer"]["sft"]
     assert cpu_start == pytest.approx(third["_meta"]["cpu_minutes_per_run"]["drawer"]["sft"] + third["_meta"]["cpu_minutes_per_run"]["drawer"]["sft_continued"], abs=0.02)
 
