@@ -92,8 +92,9 @@ class MethodOptions:
     awr_t_low: float = 0.5  # decoupled per-sample timesteps from [t_low, 1] of the model's 20-step schedule (high noise)
     # Ours: the samples of one prompt group share the training timestep and noise (common random numbers), so a
     # group's targets differ by their x0 alone. FlowAWR (faithful) draws them per sample: False. Measured on
-    # benchmarks/video_rl.py, seeds 0-4, CPU-s to half the gap: 47 / 36 / 50 / 75 / 73 against 62 / >90 / 75 / 47 / 71
-    # per sample (lower median speed-up over Flow-GRPO 5.02x against 3.86x; diversity 1.04-2.07 of the start)
+    # benchmarks/video_rl.py, seeds 0-4, CPU-s to half the gap, each beside Flow-GRPO in the same run: 51 / 42 / 56 /
+    # 73 / 70 (lower median speed-up 5.18x, >= 4x on every seed; diversity 1.12-1.72 of the start) against
+    # 62 / >90 / 75 / 47 / 71 per sample (3.86x)
     awr_shared_noise: bool = True
     awr_eval_ema: float = 0.9  # FlowAWR evaluates a separate EMA of the trained weights with this decay (0: the raw adapter)
     nft_beta: float = 1.0  # DiffusionNFT's β
