@@ -13,7 +13,7 @@ from rich.table import Table
 from diffusion_rl.data import Episode, ExecutedBy
 from diffusion_rl.data.lerobot_v3 import LeRobotDatasetReader, LeRobotDatasetWriter
 from kinema.media import write_mp4
-from sim.env import CONTROL_HZ
+from sim.env import CAMERAS, CONTROL_HZ
 from sim.experts import ExpertConfig
 from sim.monitor import MonitorConfig
 from sim.rollout import collect as collect_episodes
@@ -158,7 +158,7 @@ def render(args: argparse.Namespace) -> int:
         raise ValueError(f"--out must be an .mp4 file; got {args.out}")
     if args.episodes < 1:
         raise ValueError(f"--episodes must be at least 1; got {args.episodes}")
-    env = make(args.task, image_size=120, cameras=("agentview", "wrist") if args.cameras else ())
+    env = make(args.task, image_size=120, cameras=CAMERAS if args.cameras else ())
     expert = ExpertConfig(noise=args.expert_noise)
     wrapped = SimulatedHuman(env, MonitorConfig(), autopilot=_autopilot(expert)) if args.interventions else DemoWrapper(env, expert)
     frames: list[np.ndarray] = []

@@ -25,6 +25,8 @@ from sim.arm import FINGER_OPEN, ArmController, arm_actuators_xml, arm_xml
 CONTROL_HZ = 20.0
 PHYSICS_TIMESTEP = 0.002
 SUBSTEPS = int(round(1.0 / (CONTROL_HZ * PHYSICS_TIMESTEP)))  # 25 physics steps per control step
+# The cameras every sim task renders unless told otherwise: what scripted demos and rollouts record.
+CAMERAS: tuple[str, ...] = ("agentview", "wrist")
 POS_SCALE = 0.04  # metres per control step at |action| = 1
 ROT_SCALE = 0.25  # radians per control step at |action| = 1
 TABLE_TOP = 0.0
@@ -184,7 +186,7 @@ class TabletopEnv(gym.Env):
         config: TaskConfig | None = None,
         *,
         image_size: int | tuple[int, int] = 96,
-        cameras: tuple[str, ...] = ("agentview", "wrist"),
+        cameras: tuple[str, ...] = CAMERAS,
         instructions: str = "train",
         objects: str = "train",
         render_mode: str | None = None,

@@ -102,7 +102,7 @@ if not robosuite.__version__.startswith("1.5."):
         f"Install the pinned extra: {INSTALL_HINT}"
     )
 
-from sim.env import CONTROL_HZ, Instructions, ee_state_vector, policy_spaces, validate_action  # noqa: E402
+from sim.env import CAMERAS, CONTROL_HZ, Instructions, ee_state_vector, policy_spaces, validate_action  # noqa: E402
 
 # kinema camera name -> robosuite camera name; any other name is passed through (frontview, birdview, sideview, ...).
 CAMERA_ALIASES: dict[str, str] = {"agentview": "agentview", "wrist": "robot0_eye_in_hand"}
@@ -216,7 +216,7 @@ class RobosuiteEnv(gym.Env):
         name: str,
         *,
         image_size: int | tuple[int, int] = 96,
-        cameras: tuple[str, ...] = ("agentview", "wrist"),
+        cameras: tuple[str, ...] = CAMERAS,
         instructions: str = "train",
         horizon: int | None = None,
         action_scale: tuple[float, float] = ACTION_SCALE,

@@ -189,6 +189,9 @@ def test_unknown_method_reward_or_shape_is_explained(tmp_path: Path):
         load_video_config(None, ["--model.preset", "huge"])
     with pytest.raises(ValueError, match="model.device 'tpu' is not a torch device"):
         load_video_config(None, ["--model.device", "tpu"])
+    with pytest.raises(ValueError, match="data.camera 'frontview' is not a camera the sim records; valid: agentview, wrist"):
+        load_video_config(None, ["--data.camera", "frontview"])
+    assert load_video_config(None, ["--data.camera", "wrist"]).data.camera == "wrist"
 
 
 def kinema_video(*args: str) -> subprocess.CompletedProcess:

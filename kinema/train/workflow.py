@@ -47,6 +47,7 @@ from kinema.train.ppo import (
 from kinema.train.report import record_videos, write_curves, write_report
 from policies.checkpoint import atomic_file, load_checkpoint_config, set_aside, write_text_atomic
 from policies.vla import VLAConfig, VLAPolicy
+from sim.env import CAMERAS
 from sim.experts import ExpertConfig
 from sim.monitor import MonitorConfig
 from sim.rollout import collect, collect_demos, make_vector
@@ -368,7 +369,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     # Checked before the demos are collected; a resumed run loads its own checkpoint instead.
     init_changes = _check_init_policy(cfg, console) if cfg.init_policy and not state.get("latest_checkpoint") else {}
     write_text_atomic(run.root / "config.yaml", dump_config(cfg))
-    cameras = ("agentview", "wrist")
+    cameras = CAMERAS
 
     # 2. Demonstrations ------------------------------------------------------------------------------------------------
     demo_dir = run.root / "demos"

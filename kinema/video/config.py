@@ -239,6 +239,11 @@ class VideoTrainConfig:
                 raise ValueError(f"{name} must be >= 1; got {value}")
         if self.data.episodes < 1 and not self.data.dataset:
             raise ValueError(f"data.episodes must be >= 1 (or give data.dataset); got {self.data.episodes}")
+        if not self.data.dataset:  # a dataset's cameras are checked when its episodes are read
+            from sim.env import CAMERAS
+
+            if self.data.camera not in CAMERAS:
+                raise ValueError(f"data.camera {self.data.camera!r} is not a camera the sim records; valid: {', '.join(CAMERAS)}")
         import torch  # the device string as torch reads it, checked before any clip is collected
 
         try:
