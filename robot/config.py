@@ -22,9 +22,8 @@ from typing import Any
 
 import draccus
 import numpy as np
-import yaml
 
-from robot.paths import assets_dir
+from robot.paths import assets_dir, read_yaml, resolve_shipped_yaml
 
 CONTROLLER_TYPES = ("forward_position", "joint_trajectory")
 IMAGE_FORMATS = ("raw", "compressed")
@@ -272,21 +271,9 @@ def _check_keys(cls: type, data: Any, where: str, source: str) -> None:
             _check_keys(inner, value, f"{where}{key}.", source)
 
 
-def robots_dir() -> Path:
-    return assets_dir() / "robots"
-
-
 def resolve_robot_path(name: str | Path) -> Path:
     """A robot YAML by path, or by name among the shipped ones (`sim_panda` = assets/robots/sim_panda.yaml)."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    for candidate in (robots_dir() / path.name, robots_dir() / f"{path.name}.yaml"):
-        if candidate.is_file():
-            return candidate
-    shipped = sorted(p.stem for p in robots_dir().glob("*.yaml"))
-    what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
-    raise FileNotFoundError(f"robot config {name} {what}; shipped robots: {', '.join(shipped) or 'none'}")
+    return resolve_shipped_yaml(name, "robots", "robot config")
 
 
 def robot_config_from_dict(data: dict[str, Any], *, source: str = "<dict>") -> RobotConfig:
@@ -303,10 +290,7 @@ def robot_config_from_dict(data: dict[str, Any], *, source: str = "<dict>") -> R
 
 def load_robot_config(name: str | Path = "sim_panda") -> RobotConfig:
     path = resolve_robot_path(name)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path} is not valid YAML: {err}") from None
+    data = read_yaml(path) or {}
     return robot_config_from_dict(data, source=str(path.resolve()))
 
 

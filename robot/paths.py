@@ -1,4 +1,5 @@
-"""Where kinema's shipped files are: the one implementation (kinema.paths re-exports it).
+"""Where kinema's shipped files are, and how a shipped YAML is found and read: the one implementation (kinema.paths
+re-exports it).
 
 robot/ must not import kinema (imports flow one way, DESIGN.md), so the installed copy is found by locating the
 `kinema` package on sys.path without executing any of its code.
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 
 def assets_dir() -> Path:
@@ -27,4 +31,26 @@ def assets_dir() -> Path:
     )
 
 
-__all__ = ["assets_dir"]
+def resolve_shipped_yaml(name: str | Path, folder: str, what: str) -> Path:
+    """A YAML file by path, or by name among the shipped ones in `assets/<folder>` (`sim_panda` =
+    assets/robots/sim_panda.yaml); `what` names the kind of file in the error ("robot config", "config file")."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = assets_dir() / folder
+    for candidate in (shipped / path.name, shipped / f"{path.name}.yaml"):
+        if candidate.is_file():
+            return candidate
+    names = sorted(p.stem for p in shipped.glob("*.yaml"))
+    problem = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+    raise FileNotFoundError(f"{what} {name} {problem}; shipped {folder}: {', '.join(names) or 'none'}")
+
+
+def read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not valid YAML: {err}") from None
+
+
+__all__ = ["assets_dir", "read_yaml", "resolve_shipped_yaml"]

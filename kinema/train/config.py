@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import draccus
-import yaml
 from draccus.utils import DecodingError
 
-from kinema.paths import assets_dir
+from kinema.paths import read_yaml, resolve_shipped_yaml
 
 RL_METHODS = ("habc", "sft_continued", "awr", "flow_ppo", "none")
 PPO_ADVANTAGES = ("grpo", "gae")
@@ -236,16 +235,7 @@ def _check_keys(data: Any, valid: dict[str, list[str]], prefix: str = "", source
 def resolve_config_path(name: str) -> Path:
     """A config file by path, or by name among the shipped ones (`drawer_habc` = assets/configs/drawer_habc.yaml),
     which also works from an installed wheel."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    shipped = assets_dir() / "configs"
-    for candidate in (shipped / path.name, shipped / f"{path.name}.yaml"):
-        if candidate.is_file():
-            return candidate
-    names = sorted(p.stem for p in shipped.glob("*.yaml"))
-    what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
-    raise FileNotFoundError(f"config file {name} {what}; shipped configs: {', '.join(names)}")
+    return resolve_shipped_yaml(name, "configs", "config file")
 
 
 def load_run_config(
@@ -262,7 +252,7 @@ def load_run_config(
     # Checked before the run rewrites its config.yaml: a refused override must leave the run resumable as it was.
     # Only keys the file holds: one an older kinema did not write has no saved value to keep.
     fixed = getattr(config_class, "RESUME_FIXED", ())
-    old, new = _flatten(_read_yaml(saved) or {}), _flatten(dataclasses.asdict(after))
+    old, new = _flatten(read_yaml(saved) or {}), _flatten(dataclasses.asdict(after))
     changed = [k for k in sorted(old) if any(k == f or k.startswith(f + ".") for f in fixed) and not _same(old[k], new.get(k))]
     if changed:
         diffs = ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
@@ -302,7 +292,7 @@ def load_config(
     if config_path:
         path = resolve_config_path(config_path)
         config_path = str(path)
-        _check_keys(_read_yaml(path) or {}, valid, "", f" in {path}")
+        _check_keys(read_yaml(path) or {}, valid, "", f" in {path}")
     for arg in overrides or []:
         if arg.startswith("--"):
             dotted = arg[2:].split("=", 1)[0]
@@ -331,13 +321,6 @@ def _cause_of(err: BaseException) -> BaseException | None:
     if err.__cause__ is not None:
         return err.__cause__
     return None if err.__suppress_context__ else err.__context__
-
-
-def _read_yaml(path: Path) -> Any:
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path} is not valid YAML: {err}") from None
 
 
 def config_keys_help(config_class: type = TrainConfig) -> str:
