@@ -242,7 +242,7 @@ def nft_loss(
     mean|x̂_0 − x_0|, the two branches are divided by β and the policy term is multiplied by A_max.
     `space="velocity"` is the textbook form ℓ(v±) = mean(v± − (ε − x_0))², with no extra scaling.
 
-    Note: METHODS.md writes v⁺ with stopgrad(v_θ) in place of v_old. The two coincide only on the first step
+    Note: the textbook form writes v⁺ with stopgrad(v_θ) in place of v_old. The two coincide only on the first step
     after the old policy was synced; the official code uses the old (sampling) model, as we do here. Pass
     `v_old = v_theta.detach()` for the other reading.
 
@@ -295,7 +295,7 @@ def reference_anchor(
     mask: Tensor | None = None,
 ) -> Tensor:
     """The anchor to a reference model, per sample (B,): λ·mean(v_θ − v_ref)² (`space="velocity"`, the form of
-    METHODS.md/FlowAWR) or λ·mean(x̂_0,θ − x̂_0,ref)² = λ·mean(t²·(v_θ − v_ref)²) (`space="x0"`, needs t).
+    FlowAWR) or λ·mean(x̂_0,θ − x̂_0,ref)² = λ·mean(t²·(v_θ − v_ref)²) (`space="x0"`, needs t).
 
     At the same x_t the two differ only by the factor t²: the x̂_0 form keeps a model that predicts x̂_0 and
     derives v = (x_t − x̂_0)/t from an anchor that grows as 1/t² near t = 0. v_ref is detached.

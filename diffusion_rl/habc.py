@@ -1,6 +1,6 @@
 """HABC: hierarchical advantage-weighted behaviour cloning (critic heads, one-step advantages, gate, actor weights).
 
-As the paper specifies it (see METHODS.md, "HABC"):
+As the HABC paper specifies it:
 
 - Two critic heads on a shared feature φ(s) supplied by the policy (`HABCCritic`):
   **viability** z_v(s) (a logit, p_v = σ(z_v)), BCE against the episode outcome on outcome-labelled policy

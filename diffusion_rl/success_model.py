@@ -1,7 +1,7 @@
 """Success-probability reward model (eVTA_0 / RLER): head, TD targets, target network, dense rewards, calibration.
 
 eVTA_0 learns P_φ(success | recent frames, task) from mixed-quality rollouts, with no demonstrations and no
-annotations, by undiscounted TD-style bootstrapping (METHODS.md):
+annotations, by undiscounted TD-style bootstrapping (as the eVTA_0 code does it):
 
     y = d·z + (1 − d)·p̂_target(x⁺),   loss = (p_φ(x) − y)²
 

@@ -4,7 +4,7 @@ Data: an equal mixture of N(−2, 0.35²) and N(+2, 0.35²). Reward: 1 for x > 0
 A tiny MLP velocity net is pre-trained by plain flow matching to fit both modes equally (≈ 50 % mass each);
 the RL methods must then move the sample mass onto the high-reward mode:
 
-- `none`: the no-RL control arm, continued flow matching on fresh pre-training data (DESIGN.md's demo-only
+- `none`: the no-RL control arm, continued flow matching on fresh pre-training data (the demo-only
   control: without it, continued imitation passes for RL gain);
 - `awm`: advantage-weighted flow matching, weights exp(A/τ) on the model's own samples;
 - `nft`: DiffusionNFT (`flow.nft_loss`) against the round's frozen old model;

@@ -115,7 +115,7 @@ def load_policy(spec: str, *, control_hz: float = 20.0) -> Any:
 
     from policies.vla import VLAPolicy
 
-    # One thread: inference shares the CPU with the control loop and the transport (DESIGN.md: more threads are
+    # One thread: inference shares the CPU with the control loop and the transport (measured: more threads are
     # slower under contention).
     torch.set_num_threads(1)
     policy = VLAPolicy.from_pretrained(str(path))

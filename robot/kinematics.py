@@ -7,8 +7,9 @@ state and those actions into joint position targets, so the same policy drives a
 
 The conventions deliberately reproduce `sim/env.py` (`ee_state_vector`, POS_SCALE/ROT_SCALE) and `sim/arm.py`
 (`ArmController.joint_targets`): one linearisation per tick, a null-space pull toward home, clipping to the joint
-limits. `robot/` may not import `sim/` (DESIGN.md), so the few lines are repeated here; tests/test_robot_node.py pins
-them against the simulator, so a change on one side fails a test instead of silently detuning deployed policies.
+limits. `robot/` may not import `sim/` (a real arm runs the bridge without the simulator), so the few lines are
+repeated here; tests/test_robot_node.py pins them against the simulator, so a change on one side fails a test
+instead of silently detuning deployed policies.
 """
 
 from __future__ import annotations

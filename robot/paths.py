@@ -1,8 +1,8 @@
 """Where kinema's shipped files are, and how a shipped YAML is found and read: the one implementation (kinema.paths
 re-exports it).
 
-robot/ must not import kinema (imports flow one way, DESIGN.md), so the installed copy is found by locating the
-`kinema` package on sys.path without executing any of its code.
+robot/ must not import kinema (imports flow one way: kinema uses robot, never the reverse), so the installed copy
+is found by locating the `kinema` package on sys.path without executing any of its code.
 """
 
 from __future__ import annotations

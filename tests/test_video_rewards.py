@@ -52,7 +52,7 @@ def square_video(speed: float = 2.0, *, frames: int = 9, size: int = 64, side: i
 
 
 def tint(video: torch.Tensor, gain=(1.3, 0.8, 0.7), offset=(0.1, 0.0, -0.05)) -> torch.Tensor:
-    """A global per-channel tint of every pixel (the background hack from DESIGN.md), clipped to [0, 1]."""
+    """A global per-channel tint of every pixel (the background hack a short RL run found), clipped to [0, 1]."""
     g = torch.tensor(gain).view(1, 1, 3, 1, 1)
     o = torch.tensor(offset).view(1, 1, 3, 1, 1)
     return (video * g + o).clamp(0, 1)

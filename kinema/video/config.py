@@ -66,11 +66,11 @@ class RewardConfig:
 @dataclass
 class AnchorConfig:
     """Every method keeps an anchor to the reference (the pre-trained model with its adapters off): without one,
-    short runs hacked threshold rewards or collapsed to identical samples (DESIGN.md, measured)."""
+    short runs hacked threshold rewards or collapsed to identical samples (measured on the tiny models)."""
 
-    # λ·‖v_θ − v_base‖² on the trained samples (AWR, NFT, distill, AFD, OPSD). METHODS.md's (FlowAWR's) faithful λ
+    # λ·‖v_θ − v_base‖² on the trained samples (AWR, NFT, distill, AFD, OPSD). FlowAWR's faithful λ
     # is 1e-4; 0.01 is our variant, the value the tiny-model runs of benchmarks/video_rl.py were tuned with
-    # (DESIGN.md: short runs without an anchor hacked the rewards or collapsed).
+    # (measured: short runs without an anchor hacked the rewards or collapsed).
     ref_weight: float = 0.01
     kl_weight: float = 0.04  # Flow-GRPO: β of the per-step KL to the reference's SDE step
     # How the old/EMA reference adapter follows the trained one, θ_old ← d·θ_old + (1 − d)·θ:
@@ -153,7 +153,7 @@ class VideoTrainConfig:
 
     out: str = ""  # run folder; default runs/video-<method>-s<seed>
     seed: int = 0
-    threads: int = 1  # torch threads: one is fastest on a shared CPU (DESIGN.md)
+    threads: int = 1  # torch threads: one is fastest on a shared CPU (measured)
     tensorboard: bool = False  # also log the metrics as TensorBoard scalars in RUN_DIR/tensorboard (kinema[tensorboard])
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -24,8 +24,8 @@ Adapters (peft, named, on one transformer: no model copies):
     default  the trained student; evaluated CFG-free
     ref      EMA of `default` (VideoAWR's old reference that rolls out with CFG; NFT's and AFD's old policy)
     fake     distill only: the fake-score model of DMD, fitted to the student's samples
-    (base)   adapters disabled: the pre-trained model, the anchor every method keeps (DESIGN.md measured
-             reward hacking and collapse without one)
+    (base)   adapters disabled: the pre-trained model, the anchor every method keeps (short runs without
+             one hacked the reward or collapsed)
 
 The math lives in the RL core (diffusion_rl.flow, .distill, .advantages); this module only wires it.
 Time convention: t = 1 is noise, x_t = (1 − t)·x_0 + t·ε, v = ε − x_0. Latents are (B, C, F, H, W),

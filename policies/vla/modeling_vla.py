@@ -1,9 +1,11 @@
 """kinema's VLA: per-camera conv encoders conditioned on the instruction (FiLM), a word encoder, the state, and a
 flow-matching action expert that denoises action chunks. Implements the RL core's `FlowPolicy` protocol.
 
-Why this shape (DESIGN.md, "What a tiny image VLA does on this CPU"): a naive tiny policy never learns *where*
-the objects are. Two things fix that here: the instruction modulates every conv stage (FiLM), so "the red cube"
-changes what the encoder extracts, and an auxiliary head regresses privileged object positions during SFT.
+Why this shape: a naive tiny policy never learns *where* the objects are (a prototype with per-camera convs,
+mean-pooled word embeddings and an MLP flow head reached 0-10 % on pick-and-place from 10-200 demos on a 2-core CPU,
+its gripper never within 12 cm of the target). Two things fix that here: the instruction modulates every conv stage
+(FiLM), so "the red cube" changes what the encoder extracts, and an auxiliary head regresses privileged object
+positions during SFT.
 
 Batch convention (all tensors on the model's device):
     observation.images.<camera>: uint8 (B, H, W, 3) or float (B, 3, H, W) in [0, 1]

@@ -20,8 +20,8 @@ Modules: `base` (the interface), `image` (exposure, sharpness), `flow` (motion, 
 
 User rewards plug in by import path: `make_reward("my_pkg.module:MyReward")` or `{"name": "...:MyReward", ...kwargs}`.
 
-Reward hacking, and what guards against it (DESIGN.md: a short RL run hacked a threshold reward by tinting the
-whole background):
+Reward hacking, and what guards against it (measured while building it: a short RL run hacked a threshold reward by
+tinting the whole background):
 - optical flow runs on per-frame standardised grey levels, so a global brightness/tint change (constant, or
   flickering) is not motion; the warping error runs on the raw RGB frames, so flicker *is* penalised;
 - the success model standardises every frame per colour channel before its encoder (a global per-channel gain
