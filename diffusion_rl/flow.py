@@ -242,8 +242,8 @@ def nft_loss(
     mean|x̂_0 − x_0|, the two branches are divided by β and the policy term is multiplied by A_max.
     `space="velocity"` is the textbook form ℓ(v±) = mean(v± − (ε − x_0))², with no extra scaling.
 
-    Note: the textbook form writes v⁺ with stopgrad(v_θ) in place of v_old. The two coincide only on the first step
-    after the old policy was synced; the official code uses the old (sampling) model, as we do here. Pass
+    Note: the loss as DiffusionNFT writes it has stopgrad(v_θ) in place of v_old. The two coincide only on the first
+    step after the old policy was synced; the official code uses the old (sampling) model, as we do here. Pass
     `v_old = v_theta.detach()` for the other reading.
 
     Args:
