@@ -17,6 +17,8 @@ then branches from that same checkpoint and the same demonstrations, through the
 
     flow_ppo       Flow-SDE GRPO on the denoising steps' log-probs (the πRL-style baseline)
     flow_ppo_gae   the same with PPO's critic (GAE advantages) instead of GRPO groups, πRL's other arm
+    nft            DiffusionNFT on the action expert: failed rollouts as negatives, not only successes as positives
+                   (our application of NFT to the VLA)
 
 Last line: one JSON object, one entry per method with success, heldout_success, steps_to_success and
 gain_over_sft (success points over SFT), each success with its standard error; `_meta.task_run_minutes` is the
@@ -73,6 +75,7 @@ METHODS: dict[str, list[str]] = {
     ],  # fmt: skip
     "habc_nogate": ["--rl.method", "habc", "--rl.habc.gate", "fixed_mix"],
     "habc_nocredit": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_credit", "false"],
+    "nft": ["--rl.method", "nft"],
 }
 
 BASELINES = ("sft", "sft_continued", "awr", "flow_ppo", "flow_ppo_gae")  # HABC's margin is over the best of these

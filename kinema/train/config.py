@@ -18,7 +18,7 @@ from draccus.utils import DecodingError
 
 from kinema.paths import read_yaml, resolve_shipped_yaml
 
-RL_METHODS = ("habc", "sft_continued", "awr", "flow_ppo", "none")
+RL_METHODS = ("habc", "sft_continued", "awr", "flow_ppo", "nft", "none")
 PPO_ADVANTAGES = ("grpo", "gae")
 REPLAY_MIXING = ("fixed", "pooled")
 
@@ -78,6 +78,10 @@ class RLConfig:
     # 26 %, SFT 44 %), 16 % on push (0.5: 13 %, SFT 22 %), 17 % on pick_place (its SFT 18 %; 0.5: 14 % from an SFT at
     # 15 %): at 0.5 the SDE rollouts succeed far less often than the ODE policy that is evaluated.
     ppo_noise_level: float = 0.3
+    # nft: DiffusionNFT on the action expert (our application of it to the VLA; the loss as the official code): each
+    # rollout's outcome advantage within its round, r = clip(A / A_max)/2 + ½, both branches on the round's own samples.
+    nft_beta: float = 1.0
+    nft_adv_clip_max: float = 5.0
     ppo_epochs: int = 2
     # flow_ppo's trust region. Without both, the tiny VLA moved 0.3-2.9 nats per log-prob element per round and fell
     # to 0 % success by round 4-5 (drawer and pick_place). Measured on drawer seed 0 (100 episodes, SFT 44 %):
@@ -179,6 +183,13 @@ class TrainConfig:
             raise ValueError(f"rl.ppo_gae_lambda must be in [0, 1]; got {self.rl.ppo_gae_lambda}")
         if self.rl.ppo_lr < 0:
             raise ValueError(f"rl.ppo_lr must be >= 0 (0: use rl.lr); got {self.rl.ppo_lr}")
+        if self.rl.method == "nft" and self.rl.interventions:
+            raise ValueError("rl.method nft learns from autonomous rollouts only; set rl.interventions false (or use habc)")
+        if self.rl.method == "nft" and self.rl.replay_mixing != "fixed":
+            raise ValueError(f"rl.method nft mixes demos and rollouts by rl.demo_fraction; rl.replay_mixing must be fixed, got {self.rl.replay_mixing!r}")
+        for name, value in (("rl.nft_beta", self.rl.nft_beta), ("rl.nft_adv_clip_max", self.rl.nft_adv_clip_max)):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0; got {value}")
         if not 0.0 <= self.rl.demo_fraction <= 1.0:
             raise ValueError(f"rl.demo_fraction must be in [0, 1]; got {self.rl.demo_fraction}")
         for name, value in (

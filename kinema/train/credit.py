@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from diffusion_rl.batching import collate_episodes
 from diffusion_rl.data import Episode, ExecutedBy
-from diffusion_rl.flow import exp_advantage_weights
+from diffusion_rl.advantages import grpo_advantages
+from diffusion_rl.flow import exp_advantage_weights, nft_weight
 from diffusion_rl.habc import HABCConfig, HABCCritic, habc_step
 from diffusion_rl.success_model import (
     SuccessHead,
@@ -141,6 +142,23 @@ def awr_step_weights(
         out.append(w[start : start + len(ep)].numpy())
         start += len(ep)
     return out, {"awr/value_loss": float(loss.detach()), "awr/adv_std": float(adv.std())}
+
+
+def nft_step_weights(episodes: Sequence[Episode], *, adv_clip_max: float) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, float]]:
+    """DiffusionNFT's credit for one round of rollouts: each episode's outcome advantage within the round (one GRPO
+    group: the rollouts have distinct seeds), mapped to NFT's positive-branch weight r = clip(A / A_max)/2 + ½ for
+    every step of the episode, and sampling weights 1 / length so that each episode weighs the same (failures run
+    to the horizon, 2-5x longer than successes: drawn per step, most of the objective would be failures').
+
+    Returns (r per step, sampling weight per step, diagnostics), both aligned with the episodes.
+    """
+    rewards = torch.tensor([float(ep.outcome) for ep in episodes])
+    adv = grpo_advantages(rewards, torch.zeros(len(episodes), dtype=torch.long), degenerate="keep").advantages
+    r = nft_weight(adv, adv_clip_max=adv_clip_max).numpy()
+    per_step_r = [np.full(len(ep), r[i], dtype=np.float32) for i, ep in enumerate(episodes)]
+    sampling = [np.full(len(ep), 1.0 / len(ep), dtype=np.float64) for ep in episodes]
+    return per_step_r, sampling, {"nft/r_success": float(r[rewards > 0].mean()) if (rewards > 0).any() else float("nan"),
+                                  "nft/r_failure": float(r[rewards == 0].mean()) if (rewards == 0).any() else float("nan")}
 
 
 def refit_success_model(

@@ -36,7 +36,7 @@ from kinema.cputime import CpuClock
 from kinema.sim_commands import progress_bar
 from kinema.train.buffer import StepBuffer
 from kinema.train.config import REPLAY_MIXING, TrainConfig, dump_config
-from kinema.train.credit import CriticState, awr_step_weights, habc_step_weights, refit_success_model
+from kinema.train.credit import CriticState, awr_step_weights, habc_step_weights, nft_step_weights, refit_success_model
 from kinema.train.evaluate import SPLITS, ChunkPolicy, EvalResult, evaluate, summarize
 from kinema.train.ppo import (
     flow_ppo_updates,
@@ -232,6 +232,17 @@ def split_per_episode(flat: torch.Tensor, buffer: StepBuffer) -> list[torch.Tens
     return [flat[s : s + n] for s, n in zip(buffer.episode_start, buffer.episode_length)]
 
 
+@dataclasses.dataclass
+class NFTTerms:
+    """What the DiffusionNFT actor loss needs beyond the batch: the policy that sampled the round (frozen), each
+    replay step's positive-branch weight r (aligned with the replay buffer), NFT's β and A_max."""
+
+    old: VLAPolicy
+    r: np.ndarray
+    beta: float
+    adv_clip_max: float
+
+
 def actor_updates(
     policy: VLAPolicy,
     optimizer: torch.optim.Optimizer,
@@ -245,6 +256,7 @@ def actor_updates(
     aux_weight: float,
     rng: np.random.Generator,
     mixing: str = "fixed",
+    nft: NFTTerms | None = None,
     on_step=None,
 ) -> dict[str, float]:
     """Flow-matching updates on a mix of demonstrations (weight 1) and replay steps drawn ∝ their credit weight.
@@ -253,6 +265,10 @@ def actor_updates(
     loss over demos ∪ rollouts): demos and replay steps form one pool, a demo step counting 1 and a replay step its
     weight (the credit rules normalise kept weights to mean 1), so the replay share is W / (N_demo + W) and a
     handful of successes is not oversampled to half of every batch.
+
+    With `nft` the loss is DiffusionNFT's instead of weighted flow matching: demos count as positives (r = 1), replay
+    steps carry their own r. Policy and old policy then run in eval mode, so that both see the very same inputs (no
+    augmentation or state dropout): v_θ − v_old must be the update alone.
     """
     use_replay = replay is not None and replay_weights is not None and replay_weights.sum() > 0
     imitable = demos.imitable_index()
@@ -268,7 +284,7 @@ def actor_updates(
         replay_share = 1.0 - demo_fraction
     probs = replay_weights / replay_weights.sum() if use_replay else None
     losses, n_replay_total = [], 0
-    policy.train()
+    policy.train(nft is None)
     for _ in range(steps):
         if mixing == "pooled":
             n_replay = int(rng.binomial(batch_size, replay_share))
@@ -276,11 +292,16 @@ def actor_updates(
             n_replay = int(round(batch_size * replay_share))
         n_replay_total += n_replay
         parts = [demos.batch(rng.choice(imitable, batch_size - n_replay), policy.config.chunk_size)] if n_replay < batch_size else []
+        replay_index = rng.choice(len(replay), n_replay, p=probs) if n_replay else np.zeros(0, dtype=np.int64)
         if n_replay:
-            parts.append(replay.batch(rng.choice(len(replay), n_replay, p=probs), policy.config.chunk_size))
+            parts.append(replay.batch(replay_index, policy.config.chunk_size))
         batch = _concat_batches(parts)
         context, aux_features = policy.encode(batch)
-        loss = policy.flow_loss(batch, context=context).mean()
+        if nft is None:
+            loss = policy.flow_loss(batch, context=context).mean()
+        else:
+            r = torch.from_numpy(np.concatenate([np.ones(batch_size - n_replay, np.float32), nft.r[replay_index]]))
+            loss = policy.nft_loss(batch, old=nft.old, r=r, beta=nft.beta, adv_clip_max=nft.adv_clip_max, context=context).mean()
         if aux_weight and "aux_target" in batch:
             loss = loss + aux_weight * policy.aux_loss(batch, aux_features).mean()
         optimizer.zero_grad(set_to_none=True)
@@ -501,7 +522,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
             for r in range(start_round, rounds + 1):
                 record: dict[str, Any] = {"kind": "round", "round": r, "method": method}
                 # 4a. Roll out the current policy (the continued-SFT control trains on demos only).
-                replay_buffer, weights = None, None
+                replay_buffer, weights, nft = None, None, None
                 if method != "sft_continued":
                     bar.update(job, status=f"round {r}: rollouts")
                     first = ROLLOUT_SEED_OFFSET + r * 1000
@@ -517,8 +538,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     env_steps += sum(len(ep) for ep in new)
                     rollout_stats = summarize(new)
                     record.update({"rollout/success": rollout_stats.success, "rollout/takeover_rate": rollout_stats.takeover_rate, "env_steps": env_steps})
-                    replay = (replay + [new])[-cfg.rl.replay_rounds :]
+                    # NFT is on-policy: its r and v_old belong to the policy that sampled this round only.
+                    replay = (replay + [new])[-(1 if method == "nft" else cfg.rl.replay_rounds) :]
                     episodes = [ep for round_eps in replay for ep in round_eps]
+                    record["replay/episodes"] = len(episodes)
                     replay_buffer = StepBuffer.from_episodes(episodes, cameras)
                     features = split_per_episode(policy_features(acting, replay_buffer), replay_buffer)
                     # 4b. RLER: calibration of the success model on fresh rollouts, then refit.
@@ -538,6 +561,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                         per_step, diag = awr_step_weights(
                             critics, episodes, features, temperature=cfg.rl.awr_temperature, critic_steps=cfg.rl.habc.critic_steps
                         )  # fmt: skip
+                    elif method == "nft":
+                        nft_r, per_step, diag = nft_step_weights(episodes, adv_clip_max=cfg.rl.nft_adv_clip_max)
+                        nft = NFTTerms(copy.deepcopy(acting).requires_grad_(False).eval(), np.concatenate(nft_r), cfg.rl.nft_beta, cfg.rl.nft_adv_clip_max)
                     elif method == "flow_ppo" and cfg.rl.ppo_advantage == "gae":
                         per_step = None
                         chunk_advantages, diag = gae_chunk_advantages(
@@ -567,7 +593,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     stats = actor_updates(
                         policy, optimizer, steps=cfg.rl.updates_per_round, batch_size=cfg.rl.batch_size, demos=demo_buffer,
                         replay=replay_buffer, replay_weights=weights, demo_fraction=cfg.rl.demo_fraction, aux_weight=0.0,
-                        rng=rng, mixing=cfg.rl.replay_mixing, on_step=lambda: (ema_update(acting, policy, decay) if decay else None, bar.update(job, advance=1)),
+                        rng=rng, mixing=cfg.rl.replay_mixing, nft=nft, on_step=lambda: (ema_update(acting, policy, decay) if decay else None, bar.update(job, advance=1)),
                     )  # fmt: skip
                 actor_step += cfg.rl.updates_per_round
                 record.update(stats)

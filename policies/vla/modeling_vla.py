@@ -36,6 +36,7 @@ from diffusion_rl.flow import (
     euler_sample,
     flow_matching_loss,
     interpolate,
+    nft_loss,
     sample_time,
     sde_sample,
     sde_step_with_logprob,
@@ -243,6 +244,31 @@ class VLAPolicy(nn.Module):
         pad = batch.get("action_is_pad")
         mask = None if pad is None else ~torch.as_tensor(pad, device=self.device)
         return flow_matching_loss(v, target, weights=weights, mask=mask)
+
+    def nft_loss(
+        self,
+        batch: Mapping[str, Any],
+        *,
+        old: VLAPolicy,
+        r: Tensor,
+        beta: float = 1.0,
+        adv_clip_max: float = 5.0,
+        context: Tensor | None = None,
+    ) -> Tensor:
+        """Per-sample DiffusionNFT loss (B,) on recorded action chunks (`diffusion_rl.flow.nft_loss`): `old` is the
+        policy that sampled them, `r` (B,) the positive-branch weight (1: imitate, as a demo; 0: move away from)."""
+        actions = torch.as_tensor(batch["action"], device=self.device, dtype=torch.float32)
+        context = self.features(batch) if context is None else context
+        t = sample_time(actions.shape[0], distribution=self.config.time_distribution, device=self.device)
+        x_t = interpolate(actions, torch.randn_like(actions), t)
+        with torch.no_grad():
+            v_old = old.expert(x_t, t, old.features(batch))
+        pad = batch.get("action_is_pad")
+        mask = None if pad is None else ~torch.as_tensor(pad, device=self.device)
+        return nft_loss(
+            self.expert(x_t, t, context), v_old, x_t=x_t, x0=actions, t=t, r=r.to(self.device), beta=beta,
+            adv_clip_max=adv_clip_max, mask=mask,
+        )  # fmt: skip
 
     def aux_loss(self, batch: Mapping[str, Any], aux_features: Tensor) -> Tensor:
         """Per-sample MSE (B,) of the privileged-position head on normalised targets; `aux_features` is

@@ -1,0 +1,143 @@
+"""The DiffusionNFT arm of `kinema train` (rl.method nft): its credit per rollout, and its loss on the VLA."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_train_workflow import TINY, kinema
+
+from diffusion_rl.data import Episode
+from kinema.train.config import load_config
+from kinema.train.credit import nft_step_weights
+from kinema.train.buffer import StepBuffer
+from kinema.train.workflow import NFTTerms, actor_updates
+from policies.vla import VLAConfig, VLAPolicy
+
+torch.set_num_threads(1)
+
+
+def tiny_policy() -> VLAPolicy:
+    torch.manual_seed(0)
+    return VLAPolicy(
+        VLAConfig(
+            image_size=32, vision_channels=(8, 16, 16), vision_dim=32, text_dim=16, hidden_dim=32, expert_hidden=64,
+            expert_layers=2, state_hidden=16, chunk_size=4, n_action_steps=2, num_flow_steps=4,
+        )  # fmt: skip
+    ).eval()
+
+
+def synthetic_batch(policy: VLAPolicy, n: int = 6) -> dict:
+    rng = np.random.default_rng(0)
+    size, cfg = policy.config.image_size, policy.config
+    batch = {f"observation.images.{cam}": rng.integers(0, 255, (n, size, size, 3), dtype=np.uint8) for cam in cfg.cameras}
+    batch["observation.state"] = rng.normal(size=(n, cfg.state_dim)).astype(np.float32)
+    batch["task"] = ["open the drawer"] * n
+    batch["action"] = rng.uniform(-1, 1, (n, cfg.chunk_size, cfg.action_dim)).astype(np.float32)
+    return batch
+
+
+def expert_gradient(policy: VLAPolicy, old: VLAPolicy, batch: dict, r: float) -> torch.Tensor:
+    policy.zero_grad(set_to_none=True)
+    torch.manual_seed(1)  # the same t and noise for every r
+    policy.nft_loss(batch, old=old, r=torch.full((len(batch["task"]),), r)).mean().backward()
+    return torch.cat([p.grad.flatten() for p in policy.expert.parameters()])
+
+
+def test_nft_loss_on_the_vla_imitates_positives_repels_negatives_and_holds_at_one_half():
+    """With the sampler's own weights as `old` (v_old = v_θ), NFT's two branches are mirror images: r = 0 pushes
+    exactly against r = 1's gradient, and r = ½ is a fixed point. r = 1 also points where plain flow matching does."""
+    policy = tiny_policy()
+    old = copy.deepcopy(policy).requires_grad_(False)
+    batch = synthetic_batch(policy)
+    g_pos, g_neg, g_half = (expert_gradient(policy, old, batch, r) for r in (1.0, 0.0, 0.5))
+    assert g_pos.norm() > 0
+    torch.testing.assert_close(g_neg, -g_pos, rtol=1e-4, atol=1e-6)
+    assert g_half.norm() < 1e-5 * g_pos.norm()
+    policy.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    policy.flow_loss(batch).mean().backward()
+    g_fm = torch.cat([p.grad.flatten() for p in policy.expert.parameters()])
+    assert torch.nn.functional.cosine_similarity(g_pos, g_fm, dim=0) > 0.5
+
+
+def episode(outcome: bool, length: int, action: float = 0.0, observation: dict | None = None) -> Episode:
+    observations = observation or {"observation.state": np.zeros((1, 3), np.float32)}
+    return Episode(
+        observations={k: np.repeat(v[:1], length, axis=0) for k, v in observations.items()},
+        action=np.full((length, 2 if observation is None else 7), action, np.float32), task="open the drawer",
+        outcome=outcome, seed=0,
+    )  # fmt: skip
+
+
+def test_nft_credit_is_each_rollouts_outcome_advantage_and_weighs_every_episode_the_same():
+    episodes = [episode(True, 20), episode(False, 100), episode(False, 100), episode(False, 100)]
+    r, sampling, diag = nft_step_weights(episodes, adv_clip_max=5.0)
+    assert [len(x) for x in r] == [len(ep) for ep in episodes]
+    # A = (R − mean) / std over the round: success +√3, failures −1/√3; r = A / (2 A_max) + ½.
+    np.testing.assert_allclose(r[0], 0.5 + np.sqrt(3) / 10, rtol=1e-3)
+    np.testing.assert_allclose(r[1], 0.5 - 1 / np.sqrt(3) / 10, rtol=1e-3)
+    np.testing.assert_allclose([s.sum() for s in sampling], 1.0)  # a 20-step success counts as much as a failure
+    assert diag["nft/r_success"] > 0.5 > diag["nft/r_failure"]
+    r_same, _, _ = nft_step_weights([episode(False, 50)] * 3, adv_clip_max=5.0)
+    np.testing.assert_allclose(np.concatenate(r_same), 0.5)  # no contrast in the round: hold where the sampler is
+
+
+def test_nft_actor_update_moves_towards_successful_chunks_and_away_from_failed_ones():
+    """A known answer: replay holds one observation with two recorded chunks, +0.8 (success) and −0.8 (failure).
+    After NFT updates (no demos) the policy's chunks for it lie nearer the success than before, and nearer it than
+    the failure."""
+    policy = tiny_policy()
+    batch = synthetic_batch(policy, n=1)
+    observation = {k: v for k, v in batch.items() if k.startswith("observation.")}
+    n = policy.config.chunk_size
+    buffer = StepBuffer.from_episodes(
+        [episode(True, n, 0.8, observation), episode(False, n, -0.8, observation)], policy.config.cameras
+    )
+    noise = torch.randn(64, n, policy.config.action_dim, generator=torch.Generator().manual_seed(0))
+    obs = {k: np.repeat(v, 64, axis=0) for k, v in observation.items()} | {"task": ["open the drawer"] * 64}
+
+    def mean_chunk() -> float:
+        policy.eval()
+        return float(policy.predict_action_chunk(obs, noise=noise).mean())
+
+    before = mean_chunk()
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    nft = NFTTerms(copy.deepcopy(policy).requires_grad_(False), np.repeat(np.array([1.0, 0.0], np.float32), n), beta=1.0, adv_clip_max=5.0)
+    actor_updates(
+        policy, optimizer, steps=60, batch_size=8, demos=buffer, replay=buffer, replay_weights=np.ones(len(buffer)),
+        demo_fraction=0.0, aux_weight=0.0, rng=np.random.default_rng(0), nft=nft,
+    )  # fmt: skip
+    after = mean_chunk()
+    assert after > before + 0.2 and after > 0.0, (before, after)
+
+
+def test_nft_refuses_interventions_and_nonpositive_settings(tmp_path: Path):
+    with pytest.raises(ValueError, match="rl.interventions false"):
+        load_config(None, ["--rl.method", "nft", "--rl.interventions", "true"])
+    with pytest.raises(ValueError, match=r"rl.nft_beta must be > 0; got 0"):
+        load_config(None, ["--rl.method", "nft", "--rl.nft_beta", "0"])
+    with pytest.raises(ValueError, match="replay_mixing must be fixed"):
+        load_config(None, ["--rl.method", "nft", "--rl.replay_mixing", "pooled"])
+
+
+@pytest.mark.slow
+def test_nft_runs_and_resumes_on_the_newest_round_only(tmp_path: Path):
+    """rl.method nft end to end, and resumed: each round's credit covers that round's rollouts alone (NFT is
+    on-policy: r and v_old belong to the policy that sampled them), however many rounds the replay keeps."""
+    run = tmp_path / "run"
+    args = ["--rl.method", "nft", "--eval.heldout", "false", "--eval.videos", "0", "--rl.replay_rounds", "3"]
+    first = kinema("train", *TINY, *args, "--rl.rounds", "1", "--out", str(run))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = kinema("train", "--resume", str(run), "--rl.rounds", "2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in records if r["kind"] == "round"]
+    assert [r["round"] for r in rounds] == [1, 2]
+    for r in rounds:
+        assert r["replay/episodes"] == 3  # rl.episodes_per_round, not the 6 of two rounds
+        assert 0.0 <= r["nft/r_failure"] <= 0.5 and r["actor/replay_share"] == 0.5
