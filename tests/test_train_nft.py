@@ -3,32 +3,22 @@
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_train_workflow import TINY, kinema
+from test_train_ppo import tiny_policy
+from test_train_workflow import train_two_rounds_with_a_resume
 
 from diffusion_rl.data import Episode
 from kinema.train.config import load_config
 from kinema.train.credit import nft_step_weights
 from kinema.train.buffer import StepBuffer
 from kinema.train.workflow import NFTTerms, actor_updates
-from policies.vla import VLAConfig, VLAPolicy
+from policies.vla import VLAPolicy
 
 torch.set_num_threads(1)
-
-
-def tiny_policy() -> VLAPolicy:
-    torch.manual_seed(0)
-    return VLAPolicy(
-        VLAConfig(
-            image_size=32, vision_channels=(8, 16, 16), vision_dim=32, text_dim=16, hidden_dim=32, expert_hidden=64,
-            expert_layers=2, state_hidden=16, chunk_size=4, n_action_steps=2, num_flow_steps=4,
-        )  # fmt: skip
-    ).eval()
 
 
 def synthetic_batch(policy: VLAPolicy, n: int = 6) -> dict:
@@ -51,7 +41,7 @@ def expert_gradient(policy: VLAPolicy, old: VLAPolicy, batch: dict, r: float) ->
 def test_nft_loss_on_the_vla_imitates_positives_repels_negatives_and_holds_at_one_half():
     """With the sampler's own weights as `old` (v_old = v_θ), NFT's two branches are mirror images: r = 0 pushes
     exactly against r = 1's gradient, and r = ½ is a fixed point. r = 1 also points where plain flow matching does."""
-    policy = tiny_policy()
+    policy = tiny_policy().eval()
     old = copy.deepcopy(policy).requires_grad_(False)
     batch = synthetic_batch(policy)
     g_pos, g_neg, g_half = (expert_gradient(policy, old, batch, r) for r in (1.0, 0.0, 0.5))
@@ -91,7 +81,7 @@ def test_nft_actor_update_moves_towards_successful_chunks_and_away_from_failed_o
     """A known answer: replay holds one observation with two recorded chunks, +0.8 (success) and −0.8 (failure).
     After NFT updates (no demos) the policy's chunks for it lie nearer the success than before, and nearer it than
     the failure."""
-    policy = tiny_policy()
+    policy = tiny_policy().eval()
     batch = synthetic_batch(policy, n=1)
     observation = {k: v for k, v in batch.items() if k.startswith("observation.")}
     n = policy.config.chunk_size
@@ -131,13 +121,6 @@ def test_nft_runs_and_resumes_on_the_newest_round_only(tmp_path: Path):
     on-policy: r and v_old belong to the policy that sampled them), however many rounds the replay keeps."""
     run = tmp_path / "run"
     args = ["--rl.method", "nft", "--eval.heldout", "false", "--eval.videos", "0", "--rl.replay_rounds", "3"]
-    first = kinema("train", *TINY, *args, "--rl.rounds", "1", "--out", str(run))
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = kinema("train", "--resume", str(run), "--rl.rounds", "2")
-    assert second.returncode == 0, second.stderr[-3000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rounds = [r for r in records if r["kind"] == "round"]
-    assert [r["round"] for r in rounds] == [1, 2]
-    for r in rounds:
+    for r in train_two_rounds_with_a_resume(run, args):
         assert r["replay/episodes"] == 3  # rl.episodes_per_round, not the 6 of two rounds
         assert 0.0 <= r["nft/r_failure"] <= 0.5 and r["actor/replay_share"] == 0.5

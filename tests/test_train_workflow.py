@@ -229,13 +229,8 @@ def test_unknown_replay_mixing_is_refused_with_the_valid_ones():
         load_config(None, ["--rl.replay_mixing", "sometimes"])
 
 
-@pytest.mark.slow
-def test_flow_ppo_runs_and_resumes_with_its_reference(tmp_path: Path):
-    """The Flow-SDE PPO arm end to end, and resumed: its KL reference (on by default) loads from checkpoints/sft both
-    times. (These tiny rollouts all fail, so no PPO update runs here; the updates and the KL term are tested in
-    tests/test_train_ppo.py.)"""
-    run = tmp_path / "run"
-    args = ["--rl.method", "flow_ppo", "--rl.group_size", "3", "--eval.heldout", "false", "--eval.videos", "0"]
+def train_two_rounds_with_a_resume(run: Path, args: list[str]) -> list[dict]:
+    """`kinema train` for one round, resumed for a second; the two round records."""
     first = kinema("train", *TINY, *args, "--rl.rounds", "1", "--out", str(run))
     assert first.returncode == 0, first.stderr[-3000:]
     second = kinema("train", "--resume", str(run), "--rl.rounds", "2")
@@ -243,6 +238,17 @@ def test_flow_ppo_runs_and_resumes_with_its_reference(tmp_path: Path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rounds = [r for r in records if r["kind"] == "round"]
     assert [r["round"] for r in rounds] == [1, 2]
+    return rounds
+
+
+@pytest.mark.slow
+def test_flow_ppo_runs_and_resumes_with_its_reference(tmp_path: Path):
+    """The Flow-SDE PPO arm end to end, and resumed: its KL reference (on by default) loads from checkpoints/sft both
+    times. (These tiny rollouts all fail, so no PPO update runs here; the updates and the KL term are tested in
+    tests/test_train_ppo.py.)"""
+    run = tmp_path / "run"
+    args = ["--rl.method", "flow_ppo", "--rl.group_size", "3", "--eval.heldout", "false", "--eval.videos", "0"]
+    rounds = train_two_rounds_with_a_resume(run, args)
     assert all({"ppo/updates", "grpo/n_groups"} <= set(r) and r["grpo/n_groups"] == 1.0 for r in rounds)
 
 
