@@ -13,8 +13,8 @@ from test_train_workflow import train_two_rounds_with_a_resume
 
 from diffusion_rl.data import Episode
 from kinema.train.config import load_config
-from kinema.train.credit import nft_step_weights
 from kinema.train.buffer import StepBuffer
+from kinema.train.credit import nft_step_weights
 from kinema.train.workflow import NFTTerms, actor_updates
 from policies.vla import VLAPolicy
 
@@ -106,7 +106,7 @@ def test_nft_actor_update_moves_towards_successful_chunks_and_away_from_failed_o
     assert after > before + 0.2 and after > 0.0, (before, after)
 
 
-def test_nft_refuses_interventions_and_nonpositive_settings(tmp_path: Path):
+def test_nft_refuses_interventions_and_nonpositive_settings():
     with pytest.raises(ValueError, match="rl.interventions false"):
         load_config(None, ["--rl.method", "nft", "--rl.interventions", "true"])
     with pytest.raises(ValueError, match=r"rl.nft_beta must be > 0; got 0"):

@@ -78,10 +78,6 @@ class RLConfig:
     # 26 %, SFT 44 %), 16 % on push (0.5: 13 %, SFT 22 %), 17 % on pick_place (its SFT 18 %; 0.5: 14 % from an SFT at
     # 15 %): at 0.5 the SDE rollouts succeed far less often than the ODE policy that is evaluated.
     ppo_noise_level: float = 0.3
-    # nft: DiffusionNFT on the action expert (our application of it to the VLA; the loss as the official code): each
-    # rollout's outcome advantage within its round, r = clip(A / A_max)/2 + ½, both branches on the round's own samples.
-    nft_beta: float = 1.0
-    nft_adv_clip_max: float = 5.0
     ppo_epochs: int = 2
     # flow_ppo's trust region. Without both, the tiny VLA moved 0.3-2.9 nats per log-prob element per round and fell
     # to 0 % success by round 4-5 (drawer and pick_place). Measured on drawer seed 0 (100 episodes, SFT 44 %):
@@ -95,6 +91,10 @@ class RLConfig:
     # pick_place 9 % (SFT 15), but drawer 15 % where the old settings kept 32 % (SFT 44): no setting learns at this budget.
     ppo_lr: float = 3e-6  # flow_ppo's actor learning rate (0: rl.lr)
     ppo_expert_only: bool = True  # flow_ppo trains the action expert only, the encoders frozen
+    # nft: DiffusionNFT on the action expert (our application of it to the VLA; the loss as the official code): each
+    # rollout's outcome advantage within its round, r = clip(A / A_max)/2 + ½, both branches on the round's own samples.
+    nft_beta: float = 1.0
+    nft_adv_clip_max: float = 5.0
     success_model: bool = True  # refit the eVTA_0 success-probability model every round (RLER) and log calibration
     # Its targets: td (eVTA_0) | mc (ours, every step's target is the outcome). In a push seed-0 HABC run, rounds 2-4
     # (scored before each refit): ECE td 0.42-0.46, mc 0.06-0.10; terminal Brier td 0.20-0.24, mc 0.08-0.15 against the

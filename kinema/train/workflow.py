@@ -506,9 +506,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         restrict_to_flow_grpo_settings(
             policy, optimizer, lr=cfg.rl.ppo_lr or cfg.rl.lr, expert_only=cfg.rl.ppo_expert_only
         )
+    # NFT is on-policy: its r and v_old belong to the policy that sampled the newest round only.
+    replay_rounds = 1 if method == "nft" else cfg.rl.replay_rounds
     replay: list[list[Episode]] = [
         read_episodes(run.root / "rollouts" / f"round-{r:03d}")
-        for r in range(max(1, start_round - cfg.rl.replay_rounds), start_round)
+        for r in range(max(1, start_round - replay_rounds), start_round)
         if (run.root / "rollouts" / f"round-{r:03d}" / "meta" / "info.json").exists()
     ]
     habc_config = HABCConfig(
@@ -538,8 +540,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                     env_steps += sum(len(ep) for ep in new)
                     rollout_stats = summarize(new)
                     record.update({"rollout/success": rollout_stats.success, "rollout/takeover_rate": rollout_stats.takeover_rate, "env_steps": env_steps})
-                    # NFT is on-policy: its r and v_old belong to the policy that sampled this round only.
-                    replay = (replay + [new])[-(1 if method == "nft" else cfg.rl.replay_rounds) :]
+                    replay = (replay + [new])[-replay_rounds:]
                     episodes = [ep for round_eps in replay for ep in round_eps]
                     record["replay/episodes"] = len(episodes)
                     replay_buffer = StepBuffer.from_episodes(episodes, cameras)
