@@ -39,6 +39,13 @@ def pad_features(features: Sequence[Tensor], t_max: int) -> Tensor:
     return out
 
 
+def seeded(seed: int, build):
+    """`build()` with the torch generator seeded to `seed`, leaving the global generator as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
 @dataclass
 class CriticState:
     """Critics that persist across rounds (and checkpoints)."""
@@ -46,16 +53,19 @@ class CriticState:
     feature_dim: int
     critic_lr: float = 3e-4
     value_scale: float = 1.0
+    seed: int = 0
     habc: HABCCritic = field(init=False)
     value: nn.Module = field(init=False)
     success: SuccessHead = field(init=False)
 
     def __post_init__(self) -> None:
+        # Each critic draws its initial weights from its own seed, not from the global stream: which critics a
+        # method builds then does not change the policy's own random draws.
         # value_scale 1 for TD: a larger scale multiplies the TD step in value space and diverged in practice.
-        self.habc = HABCCritic(self.feature_dim, hidden_dim=256, num_layers=2, value_scale=self.value_scale)
+        self.habc = seeded(self.seed + 1, lambda: HABCCritic(self.feature_dim, hidden_dim=256, num_layers=2, value_scale=self.value_scale))
         self.habc_target = copy.deepcopy(self.habc).requires_grad_(False)
-        self.value = nn.Sequential(nn.Linear(self.feature_dim, 256), nn.SiLU(), nn.Linear(256, 1))
-        self.success = SuccessHead(self.feature_dim, hidden_dim=256, num_layers=2)
+        self.value = seeded(self.seed + 2, lambda: nn.Sequential(nn.Linear(self.feature_dim, 256), nn.SiLU(), nn.Linear(256, 1)))
+        self.success = seeded(self.seed + 3, lambda: SuccessHead(self.feature_dim, hidden_dim=256, num_layers=2))
         self.success_target = make_target(self.success)
         self.success_step = 0
         self.optimizers = {

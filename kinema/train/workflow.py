@@ -434,7 +434,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     vla_config = VLAConfig(**cfg.policy.vla_fields(), cameras=cameras, aux_dim=aux_dim, extra={"tasks": [cfg.task]})
     policy = VLAPolicy(vla_config)
     policy.set_normalization(demo_buffer.stats())
-    critics = CriticState(vla_config.hidden_dim, critic_lr=cfg.rl.habc.critic_lr, value_scale=cfg.rl.habc.value_scale)
+    critics = CriticState(vla_config.hidden_dim, critic_lr=cfg.rl.habc.critic_lr, value_scale=cfg.rl.habc.value_scale, seed=cfg.seed)
     env_steps, actor_step, start_round = 0, 0, 1
     latest = state.get("latest_checkpoint")
     # `policy` trains; `acting` (its EMA, or itself when the decay is 0) collects rollouts, is evaluated and saved.

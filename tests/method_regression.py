@@ -1,0 +1,101 @@
+"""A tiny `kinema train` run per RL method, reduced to the numbers its update produced: the losses and diagnostics of
+its round, and fingerprints of the trained and acting weights. `tests/test_train_methods.py` checks that today's code
+reproduces the numbers recorded in `fixtures/train_methods_reference.json`.
+
+Recording them again is a decision, not a chore: it says that a change of behaviour is intended.
+
+    python tests/method_regression.py   # rewrites fixtures/train_methods_reference.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+
+REFERENCE = Path(__file__).parent / "fixtures" / "train_methods_reference.json"
+TINY = [
+    "--task", "drawer", "--demos.episodes", "4", "--sft.steps", "6", "--sft.batch_size", "8", "--rl.rounds", "1",
+    "--rl.episodes_per_round", "4", "--rl.updates_per_round", "4", "--rl.batch_size", "8",
+    "--eval.episodes", "2", "--eval.round_episodes", "2", "--eval.videos", "0", "--eval.heldout", "false",
+    "--workers", "0", "--num_envs", "4", "--policy.image_size", "32", "--task_config", '{"horizon": 100}',
+]  # fmt: skip
+# One run per method, with the options that reach its distinct code paths. The simulated human makes some rollouts
+# succeed (an untrained policy never does), so that credit rules see both outcomes.
+CRITIC_STEPS = 5
+RUNS: dict[str, list[str]] = {
+    "none": ["--rl.method", "none"],
+    "sft_continued": ["--rl.method", "sft_continued"],
+    "habc": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.critic_steps", str(CRITIC_STEPS)],
+    "habc_pooled": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.replay_mixing", "pooled",
+                    "--rl.habc.critic_steps", str(CRITIC_STEPS)],
+    "awr": ["--rl.method", "awr", "--rl.interventions", "true", "--rl.awr.critic_steps", str(CRITIC_STEPS)],
+    "nft": ["--rl.method", "nft"],
+    "flow_ppo_grpo": ["--rl.method", "flow_ppo", "--rl.ppo.group_size", "2", "--rl.interventions", "true"],
+    "flow_ppo_gae": ["--rl.method", "flow_ppo", "--rl.ppo.advantage", "gae", "--rl.ppo.critic_steps", str(CRITIC_STEPS)],
+}  # fmt: skip
+# The options as they were named before the methods had their own groups (the reference was recorded with these).
+LEGACY = {"--rl.awr.critic_steps": "--rl.habc.critic_steps", "--rl.ppo.group_size": "--rl.group_size",
+          "--rl.ppo.advantage": "--rl.ppo_advantage", "--rl.ppo.critic_steps": "--rl.habc.critic_steps"}  # fmt: skip
+NOT_NUMBERS = {"time", "cpu_s"}
+
+
+def fingerprint(tensors: dict[str, torch.Tensor]) -> float:
+    """One number that moves with any weight: each tensor against a fixed random tensor of its shape, summed."""
+    total = 0.0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if not t.is_floating_point():
+            continue
+        probe = torch.randn(t.shape, generator=torch.Generator().manual_seed(len(name)), dtype=torch.float64)
+        total += float((t.double() * probe).sum())
+    return total
+
+
+def run_method(name: str, root: Path, *, legacy_names: bool = False) -> dict:
+    from kinema.train.config import load_config
+    from kinema.train.workflow import train
+
+    args = list(RUNS[name])
+    if legacy_names:
+        args = [LEGACY.get(a, a) for a in args]
+    cfg = load_config(None, [*TINY, *args, "--out", str(root / name)])
+    run = train(cfg, console=Console(file=open("/dev/null", "w")))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    numbers = {}
+    for record in records:
+        if record["kind"] in ("sft", "round"):
+            for key, value in record.items():
+                if key not in NOT_NUMBERS and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    numbers[f"{record['kind']}/{key}"] = value
+    last = run / "checkpoints" / ("round-001" if (run / "checkpoints" / "round-001").exists() else "sft")
+    trainer = torch.load(last / "trainer.pt", weights_only=False)
+    return {
+        "numbers": numbers,
+        "acting": fingerprint(load_file(str(last / "model.safetensors"))),
+        "online": fingerprint(trainer["online"]),
+    }
+
+
+def same(a: float, b: float) -> bool:
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    legacy = "--legacy-names" in sys.argv
+    torch.set_num_threads(1)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in RUNS:
+            out[name] = run_method(name, Path(tmp), legacy_names=legacy)
+            print(name, json.dumps(out[name])[:300], flush=True)
+    REFERENCE.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
