@@ -54,7 +54,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from kinema.train.config import load_run_config
+from kinema.common import load_run_config
+from kinema.train.config import TrainConfig
 from kinema.train.workflow import train
 from policies.checkpoint import set_aside
 
@@ -62,7 +63,7 @@ METHODS: dict[str, list[str]] = {
     "sft_continued": ["--rl.method", "sft_continued"],
     "awr": ["--rl.method", "awr"],
     "flow_ppo": ["--rl.method", "flow_ppo"],
-    "flow_ppo_gae": ["--rl.method", "flow_ppo", "--rl.ppo_advantage", "gae"],
+    "flow_ppo_gae": ["--rl.method", "flow_ppo", "--rl.ppo.advantage", "gae"],
     "habc": ["--rl.method", "habc"],
     # our variant: V_e regresses on observed steps-to-success instead of the paper's TD target
     "habc_mc": ["--rl.method", "habc", "--rl.habc.efficiency_target", "mc", "--rl.habc.value_scale", "50"],
@@ -84,7 +85,7 @@ HEADLINE = ("sft_continued", "awr", "flow_ppo", "habc", "habc_hil")  # with sft,
 QUICK = [
     "--demos.episodes", "8", "--sft.steps", "40", "--sft.batch_size", "16", "--rl.rounds", "1",
     "--rl.episodes_per_round", "4", "--rl.updates_per_round", "10", "--rl.batch_size", "16",
-    "--rl.habc.critic_steps", "20", "--eval.episodes", "6", "--eval.round_episodes", "4", "--eval.heldout", "false",
+    "--rl.habc.critic_steps", "20", "--rl.awr.critic_steps", "20", "--rl.ppo.critic_steps", "20", "--eval.episodes", "6", "--eval.round_episodes", "4", "--eval.heldout", "false",
     "--eval.videos", "0", "--num_envs", "4", "--policy.image_size", "32", "--task_config", '{"horizon": 60}',
     "--workers", "0",  # envs in the run's own process: starting worker processes cost more than the tiny runs (174 s -> 63 s)
 ]  # fmt: skip
@@ -117,7 +118,7 @@ def run_jobs(jobs: list[Job], *, jobs_at_once: int, logs: Path) -> None:
     if jobs_at_once <= 1:
         for job in jobs:
             resume = (job.run / "state.json").exists()
-            train(load_run_config(job.config, [*job.overrides, "--out", str(job.run)], str(job.run) if resume else None), resume=resume)
+            train(load_run_config(job.config, [*job.overrides, "--out", str(job.run)], str(job.run) if resume else None, config_class=TrainConfig), resume=resume)
         return
     logs.mkdir(parents=True, exist_ok=True)
     root = str(Path(__file__).resolve().parent.parent)

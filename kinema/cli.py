@@ -6,14 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every plain option's --help states its default, unless it is required or has none (None, "")."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.required or action.default in (None, "") or isinstance(action.default, bool):
-            return action.help
-        return super()._get_help_string(action)
-
+from kinema.common import DefaultsHelpFormatter
 
 def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("sim", help="MuJoCo tasks: list them, collect demonstrations, render rollouts")
@@ -60,14 +53,17 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_commands(sub: argparse._SubParsersAction) -> None:
-    from kinema.train.config import config_keys_help
+    from kinema.common import config_keys_help
+    from kinema.train.config import TrainConfig
+    from kinema.train.methods import METHODS
 
     train = sub.add_parser(
         "train",
         help="demos -> SFT -> online RL of the VLA in simulation, with evaluation and a report",
         description="Train the VLA: scripted demonstrations, SFT, then RL rounds (HABC by default). "
         "Any config key can be overridden as --key.sub value (e.g. --rl.rounds 3 --task stack).",
-        epilog=config_keys_help(),
+        epilog="RL methods (--rl.method):\n" + "".join(f"  {name}: {cls.summary}\n" for name, cls in METHODS.items())
+        + "\n" + config_keys_help(TrainConfig),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", default=None, help="YAML config: a path, or a shipped name (drawer_habc, ...); default: the embedded config")

@@ -35,7 +35,7 @@ LOCAL_HELP = (
 
 
 def add_robot_commands(sub: argparse._SubParsersAction) -> None:
-    from kinema.cli import DefaultsHelpFormatter
+    from kinema.common import DefaultsHelpFormatter
     from robot.transport import BACKENDS
 
     deploy = sub.add_parser(

@@ -1,7 +1,7 @@
 """Policies for `kinema deploy`: a checkpoint, or a scripted policy by name. Sim-aware ones live here (kinema may
 import both `sim` and `robot`; `robot` may not import `sim`).
 
-    --policy runs/drawer/checkpoints/final         a VLA checkpoint folder (VLAPolicy.from_pretrained, unchanged)
+    --policy runs/drawer/checkpoints/final         a policy checkpoint folder (policies.load_policy, any registered type)
     --policy scripted:zero                         EE delta 0, gripper open: holds still (the latency benchmark's)
     --policy scripted:nan                          NaN actions (the safety layer must hold)
     --policy scripted:replay:task=drawer:seed=0    the sim's scripted expert, replayed (see ExpertReplayPolicy)
@@ -113,12 +113,12 @@ def load_policy(spec: str, *, control_hz: float = 20.0) -> Any:
         raise FileNotFoundError(f"--policy {spec}: not a checkpoint folder (no config.json) and not scripted:<{'|'.join(SCRIPTED)}>")
     import torch
 
-    from policies.vla import VLAPolicy
+    from policies import load_policy
 
     # One thread: inference shares the CPU with the control loop and the transport (measured: more threads are
     # slower under contention).
     torch.set_num_threads(1)
-    policy = VLAPolicy.from_pretrained(str(path))
+    policy = load_policy(path)
     policy.eval()
     return policy
 

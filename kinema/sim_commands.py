@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from diffusion_rl.data import Episode, ExecutedBy
 from diffusion_rl.data.lerobot_v3 import LeRobotDatasetReader, LeRobotDatasetWriter
+from kinema.common import progress_bar
 from kinema.media import write_mp4
 from sim.env import CAMERAS, CONTROL_HZ
 from sim.experts import ExpertConfig
@@ -19,18 +19,6 @@ from sim.monitor import MonitorConfig
 from sim.rollout import collect as collect_episodes
 from sim.rollout import make_vector, zero_policy
 from sim.tasks import TASKS, VARIANTS, make, task_class
-
-
-def progress_bar(console: Console | None = None) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[status]}"),
-        console=console,
-    )
 
 
 def list_tasks(args: argparse.Namespace) -> int:

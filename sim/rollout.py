@@ -5,7 +5,7 @@ and `actions` is `(B, 7)` or a chunk `(B, H, 7)`; chunks are queued per env and 
 may define `reset(env_indices)`, called when those envs start a new episode or when a human hands control back
 (so it recomputes its chunk from the current state; wrappers flag that step with `info["handback"]`), and
 `chunk_taken(env_index, episode, step)`, called for each env that starts executing a new chunk (`episode` is
-the episode's start-order number; see `collect(serials=...)`).
+the episode's start-order number), and `episode_finished(episode)` as each episode ends.
 """
 
 from __future__ import annotations
@@ -127,12 +127,11 @@ def collect(
     policy_version: str = "",
     record_privileged: bool = True,
     on_episode: Callable[[Episode], None] | None = None,
-    serials: list[int] | None = None,
 ) -> list[Episode]:
     """Run `policy` in `vector` until one episode per seed has finished; return them in completion order.
 
-    `serials`, if given, receives each returned episode's start-order number (the `episode` that
-    `policy.chunk_taken` was told), aligned with the returned list.
+    A policy with `episode_finished(episode)` is told each returned episode's start-order number (the `episode` that
+    `chunk_taken` was told), in the order of the returned list.
     """
     pending = list(seeds)
     episodes: list[Episode] = []
@@ -141,6 +140,7 @@ def collect(
     queues: list[list[np.ndarray]] = [[] for _ in range(n)]
     reset_fn = getattr(policy, "reset", None)
     chunk_taken = getattr(policy, "chunk_taken", None)
+    episode_finished = getattr(policy, "episode_finished", None)
     started = [0]
     obs: dict[str, Any] = {}
 
@@ -188,8 +188,8 @@ def collect(
             if terminated[i] or truncated[i]:
                 ep = buffers[i].to_episode(task_id, policy_version, info.get("segment_labels"))
                 episodes.append(ep)
-                if serials is not None:
-                    serials.append(buffers[i].serial)
+                if episode_finished is not None:
+                    episode_finished(buffers[i].serial)
                 if on_episode is not None:
                     on_episode(ep)
                 start(i)

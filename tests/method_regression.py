@@ -58,13 +58,14 @@ def fingerprint(tensors: dict[str, torch.Tensor]) -> float:
 
 
 def run_method(name: str, root: Path, *, legacy_names: bool = False) -> dict:
-    from kinema.train.config import load_config
+    from kinema.common import load_config
+    from kinema.train.config import TrainConfig
     from kinema.train.workflow import train
 
     args = list(RUNS[name])
     if legacy_names:
         args = [LEGACY.get(a, a) for a in args]
-    cfg = load_config(None, [*TINY, *args, "--out", str(root / name)])
+    cfg = load_config(None, [*TINY, *args, "--out", str(root / name)], config_class=TrainConfig)
     run = train(cfg, console=Console(file=open("/dev/null", "w")))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     numbers = {}
@@ -91,7 +92,7 @@ def same(a: float, b: float) -> bool:
 if __name__ == "__main__":
     import tempfile
 
-    legacy = "--legacy-names" in sys.argv
+    legacy = "--legacy-names" in sys.argv  # for a kinema from before the methods had their own option groups
     torch.set_num_threads(1)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,6 +14,7 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "vla_rl.py"
 # On top of the benchmark's --quick budget: smaller still, no env worker processes.
 TINIER = ["--demos.episodes", "4", "--sft.steps", "6", "--rl.updates_per_round", "4", "--rl.habc.critic_steps", "5",
+          "--rl.awr.critic_steps", "5", "--rl.ppo.critic_steps", "5",
           "--eval.episodes", "2", "--eval.round_episodes", "2", "--rl.episodes_per_round", "2", "--workers", "0",
           "--num_envs", "2", "--task_config", '{"horizon": 30}']  # fmt: skip
 

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from kinema.board import record_scalars
-from kinema.train.workflow import Run
+from kinema.common import Run
 
 
 def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -7,7 +7,7 @@ import time
 from rich.console import Console
 
 from kinema.cputime import CpuClock, tree_cpu_seconds
-from kinema.train.workflow import Run
+from kinema.common import Run
 
 
 def _burn(seconds: float, done=None) -> None:

@@ -530,7 +530,7 @@ def test_robot_config_recordings_train_the_sim_vla(tmp_path):
     `kinema train --dataset` takes it, and SFT steps run on it."""
     torch = pytest.importorskip("torch")
     from kinema.train.buffer import StepBuffer
-    from kinema.train.workflow import actor_updates
+    from kinema.train.actor import actor_updates
     from policies.vla import VLAConfig, VLAPolicy
     from robot.config import load_robot_config
     from robot.kinematics import ActionMapper

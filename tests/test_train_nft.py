@@ -12,13 +12,18 @@ from test_train_ppo import tiny_policy
 from test_train_workflow import train_two_rounds_with_a_resume
 
 from diffusion_rl.data import Episode
-from kinema.train.config import load_config
+from kinema import common
+from kinema.train.actor import actor_updates
 from kinema.train.buffer import StepBuffer
-from kinema.train.credit import nft_step_weights
-from kinema.train.workflow import NFTTerms, actor_updates
+from kinema.train.config import TrainConfig
+from kinema.train.methods.nft import nft_actor_loss, nft_step_weights
 from policies.vla import VLAPolicy
 
 torch.set_num_threads(1)
+
+
+def load_config(path, overrides):
+    return common.load_config(path, overrides, config_class=TrainConfig)
 
 
 def synthetic_batch(policy: VLAPolicy, n: int = 6) -> dict:
@@ -97,10 +102,10 @@ def test_nft_actor_update_moves_towards_successful_chunks_and_away_from_failed_o
 
     before = mean_chunk()
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    nft = NFTTerms(copy.deepcopy(policy).requires_grad_(False), np.repeat(np.array([1.0, 0.0], np.float32), n), beta=1.0, adv_clip_max=5.0)
+    loss = nft_actor_loss(copy.deepcopy(policy).requires_grad_(False), np.repeat(np.array([1.0, 0.0], np.float32), n), beta=1.0, adv_clip_max=5.0)
     actor_updates(
         policy, optimizer, steps=60, batch_size=8, demos=buffer, replay=buffer, replay_weights=np.ones(len(buffer)),
-        demo_fraction=0.0, aux_weight=0.0, rng=np.random.default_rng(0), nft=nft,
+        demo_fraction=0.0, aux_weight=0.0, rng=np.random.default_rng(0), loss_fn=loss, train_mode=False,
     )  # fmt: skip
     after = mean_chunk()
     assert after > before + 0.2 and after > 0.0, (before, after)
@@ -109,8 +114,8 @@ def test_nft_actor_update_moves_towards_successful_chunks_and_away_from_failed_o
 def test_nft_refuses_interventions_and_nonpositive_settings():
     with pytest.raises(ValueError, match="rl.interventions false"):
         load_config(None, ["--rl.method", "nft", "--rl.interventions", "true"])
-    with pytest.raises(ValueError, match=r"rl.nft_beta must be > 0; got 0"):
-        load_config(None, ["--rl.method", "nft", "--rl.nft_beta", "0"])
+    with pytest.raises(ValueError, match=r"rl.nft.beta must be > 0; got 0"):
+        load_config(None, ["--rl.method", "nft", "--rl.nft.beta", "0"])
     with pytest.raises(ValueError, match="replay_mixing must be fixed"):
         load_config(None, ["--rl.method", "nft", "--rl.replay_mixing", "pooled"])
 

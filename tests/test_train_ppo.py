@@ -8,7 +8,7 @@ import torch
 
 from kinema.train.evaluate import ChunkPolicy
 from kinema.train.ppo import (
-    flow_grpo_updates,
+    flow_ppo_updates,
     gae_chunk_advantages,
     grpo_chunk_advantages,
     restrict_to_flow_grpo_settings,
@@ -17,6 +17,12 @@ from policies.vla import VLAConfig, VLAPolicy
 from sim.rollout import collect, make_vector
 
 torch.set_num_threads(1)
+
+
+def flow_grpo_updates(policy, optimizer, episodes, chunks, **kwargs) -> dict:
+    """Flow-GRPO: group-relative chunk advantages, then the PPO epochs (what rl.method flow_ppo does by default)."""
+    advantages, stats = grpo_chunk_advantages(episodes, chunks)
+    return {**flow_ppo_updates(policy, optimizer, chunks, advantages, **kwargs), **stats}
 
 
 def tiny_policy() -> VLAPolicy:
@@ -33,15 +39,15 @@ def test_every_executed_chunk_is_recorded_and_ratios_start_at_one():
     policy = tiny_policy()
     runner = ChunkPolicy(policy, sde_noise=0.5)
     vector = make_vector("push", 3, image_size=32, config={"horizon": 10})
-    serials: list[int] = []
     seeds = [0, 0, 1, 1]  # two GRPO groups
-    episodes = collect(vector, runner, seeds, task_id="push", serials=serials)
-    assert sorted(serials) == [0, 1, 2, 3] and len(episodes) == 4
-    for ep, serial in zip(episodes, serials):
-        starts = sorted(step for (s, step) in runner.records if s == serial)
+    episodes = collect(vector, runner, seeds, task_id="push")
+    chunks = runner.chunk_records()  # keyed by the episode's index in the list collect returned
+    assert sorted(runner.finished) == [0, 1, 2, 3] and len(episodes) == 4
+    for i, ep in enumerate(episodes):
+        starts = sorted(step for (index, step) in chunks if index == i)
         assert starts == list(range(0, len(ep), 2))  # a new chunk every n_action_steps
         for step in starts:
-            rec = runner.records[(serial, step)]
+            rec = chunks[(i, step)]
             # The executed actions are the recorded chunk's first actions (clipped like the env clips them).
             chunk = rec["x_next"][-1].clamp(-1, 1).numpy()
             np.testing.assert_allclose(ep.action[step], chunk[0], atol=1e-5)
@@ -64,17 +70,17 @@ def test_grpo_update_uses_only_informative_groups():
     policy = tiny_policy()
     runner = ChunkPolicy(policy, sde_noise=0.5)
     vector = make_vector("push", 2, image_size=32, config={"horizon": 6})
-    serials: list[int] = []
-    episodes = collect(vector, runner, [0, 0, 1, 1], task_id="push", serials=serials)
+    episodes = collect(vector, runner, [0, 0, 1, 1], task_id="push")
     episodes[0].outcome = True  # make this episode's group informative; the other group stays all-failure
     before = [p.detach().clone() for p in policy.parameters()]
+    chunk_records = runner.chunk_records()
     stats = flow_grpo_updates(
-        policy, torch.optim.SGD(policy.parameters(), lr=1e-3), episodes, serials, runner.records, epochs=1,
+        policy, torch.optim.SGD(policy.parameters(), lr=1e-3), episodes, chunk_records, epochs=1,
         batch_size=16, clip_range=0.2, noise_level=0.5, rng=np.random.default_rng(0),
     )  # fmt: skip
     assert stats["grpo/n_degenerate_groups"] == 1.0 and stats["grpo/n_groups"] == 2.0
-    group = {serial for ep, serial in zip(episodes, serials) if ep.seed == episodes[0].seed}
-    chunks = sum(1 for (s, _) in runner.records if s in group)
+    group = {i for i, ep in enumerate(episodes) if ep.seed == episodes[0].seed}
+    chunks = sum(1 for (i, _) in chunk_records if i in group)
     assert len(group) == 2 and stats["ppo/samples"] == chunks * 4  # K = 4 stochastic steps per chunk
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
@@ -84,23 +90,22 @@ def one_informative_group():
     policy = tiny_policy()
     runner = ChunkPolicy(policy, sde_noise=0.5)
     vector = make_vector("push", 2, image_size=32, config={"horizon": 8})
-    serials: list[int] = []
-    episodes = collect(vector, runner, [0, 0], task_id="push", serials=serials)
+    episodes = collect(vector, runner, [0, 0], task_id="push")
     episodes[0].outcome = True
-    return policy, runner, episodes, serials
+    return policy, runner, episodes
 
 
 def test_target_kl_stops_the_rounds_updates_once_the_policy_has_moved():
     """With target_kl, the round ends at the first minibatch whose approximate KL passes 1.5 x target_kl; without
     it every minibatch of every epoch is used."""
-    policy, runner, episodes, serials = one_informative_group()
+    policy, runner, episodes = one_informative_group()
     state = {k: v.clone() for k, v in policy.state_dict().items()}
     kwargs = dict(epochs=2, batch_size=2, clip_range=0.2, noise_level=0.5)
 
     def run(target_kl: float) -> dict:
         policy.load_state_dict(state)
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)  # large steps: the KL passes any small target
-        return flow_grpo_updates(policy, optimizer, episodes, serials, runner.records, rng=np.random.default_rng(0),
+        return flow_grpo_updates(policy, optimizer, episodes, runner.chunk_records(), rng=np.random.default_rng(0),
                                  target_kl=target_kl, **kwargs)
 
     full = run(0.0)
@@ -112,7 +117,7 @@ def test_target_kl_stops_the_rounds_updates_once_the_policy_has_moved():
 def test_kl_to_the_reference_anchors_the_update():
     """Flow-GRPO's β·KL to the frozen reference: logged once the policy has moved, and with a large β the update
     stays nearer the reference than without (same data, same steps)."""
-    policy, runner, episodes, serials = one_informative_group()
+    policy, runner, episodes = one_informative_group()
     start = {k: v.clone() for k, v in policy.state_dict().items()}
     reference = tiny_policy().eval()
     reference.load_state_dict(start)
@@ -120,7 +125,7 @@ def test_kl_to_the_reference_anchors_the_update():
     def drift(kl_weight: float) -> tuple[float, dict]:
         policy.load_state_dict(start)
         stats = flow_grpo_updates(
-            policy, torch.optim.SGD(policy.parameters(), lr=0.05), episodes, serials, runner.records, epochs=3,
+            policy, torch.optim.SGD(policy.parameters(), lr=0.05), episodes, runner.chunk_records(), epochs=3,
             batch_size=4, clip_range=0.2, noise_level=0.5, rng=np.random.default_rng(0), reference=reference,
             kl_weight=kl_weight,
         )  # fmt: skip
@@ -131,7 +136,7 @@ def test_kl_to_the_reference_anchors_the_update():
     assert "ppo/kl_to_reference" not in free_stats and stats["ppo/kl_to_reference"] > 0
     assert anchored < free
     with pytest.raises(ValueError, match="needs the reference policy"):
-        flow_grpo_updates(policy, torch.optim.SGD(policy.parameters(), lr=0.0), episodes, serials, runner.records,
+        flow_grpo_updates(policy, torch.optim.SGD(policy.parameters(), lr=0.0), episodes, runner.chunk_records(),
                           epochs=1, batch_size=4, clip_range=0.2, noise_level=0.5, rng=np.random.default_rng(0),
                           kl_weight=0.1)
 
@@ -139,12 +144,12 @@ def test_kl_to_the_reference_anchors_the_update():
 def test_expert_only_updates_move_the_action_expert_and_nothing_else():
     """πRL's train_expert_only: after an update the encoders are bit-identical, the expert moved, and the
     baseline's own learning rate replaced the optimiser's."""
-    policy, runner, episodes, serials = one_informative_group()
+    policy, runner, episodes = one_informative_group()
     start = {k: v.clone() for k, v in policy.state_dict().items()}
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4, weight_decay=0.01)
     restrict_to_flow_grpo_settings(policy, optimizer, lr=1e-3, expert_only=True)
     assert [g["lr"] for g in optimizer.param_groups] == [1e-3]
-    stats = flow_grpo_updates(policy, optimizer, episodes, serials, runner.records, epochs=1, batch_size=4,
+    stats = flow_grpo_updates(policy, optimizer, episodes, runner.chunk_records(), epochs=1, batch_size=4,
                               clip_range=0.2, noise_level=0.5, rng=np.random.default_rng(0))
     assert stats["ppo/updates"] > 0
     moved = {k for k, v in policy.state_dict().items() if v.dtype.is_floating_point and not torch.equal(v, start[k])}
@@ -166,24 +171,23 @@ def test_gae_advantages_with_a_zero_critic_are_the_discounted_outcome_and_the_cr
     (γ^n·λ)^(m-1-j), and 0 after a failure: after normalisation every chunk of the success beats every chunk of
     the failure, and later chunks of the success beat earlier ones. The critic is then regressed on the λ-returns."""
     episodes = _episodes_with_outcomes([True, False])
-    serials = [10, 11]
-    records = {(s, step): None for s, ep in zip(serials, episodes) for step in range(0, len(ep), 2)}
+    records = {(i, step): None for i, ep in enumerate(episodes) for step in range(0, len(ep), 2)}
     value = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     torch.nn.init.zeros_(value[2].weight), torch.nn.init.zeros_(value[2].bias)
     torch.manual_seed(0)
     features = [torch.randn(len(ep), 4) for ep in episodes]
     optimizer = torch.optim.Adam(value.parameters(), lr=1e-2)
-    adv, stats = gae_chunk_advantages(value, optimizer, episodes, features, serials, records, chunk_steps=2,
+    adv, stats = gae_chunk_advantages(value, optimizer, episodes, features, records, chunk_steps=2,
                                       gamma=0.9, lam=0.5, critic_steps=300)  # fmt: skip
     assert set(adv) == set(records)
     m = len(range(0, len(episodes[0]), 2))
-    raw = {key: (0.9**2 * 0.5) ** (m - 1 - key[1] // 2) if key[0] == 10 else 0.0 for key in records}
+    raw = {key: (0.9**2 * 0.5) ** (m - 1 - key[1] // 2) if key[0] == 0 else 0.0 for key in records}
     expected = torch.tensor([raw[k] for k in records])
     expected = (expected - expected.mean()) / expected.std()
     torch.testing.assert_close(torch.tensor([adv[k] for k in records]), expected, atol=1e-5, rtol=1e-5)
-    success = sorted((step, a) for (s, step), a in adv.items() if s == 10)
+    success = sorted((step, a) for (i, step), a in adv.items() if i == 0)
     assert all(a1 < a2 for (_, a1), (_, a2) in zip(success, success[1:]))
-    assert min(a for (s, _), a in adv.items() if s == 10) > max(a for (s, _), a in adv.items() if s == 11)
+    assert min(a for (i, _), a in adv.items() if i == 0) > max(a for (i, _), a in adv.items() if i == 1)
     # The critic sees the chunks' first steps; the λ-return of the success's last chunk is its outcome, 1, and of
     # the failure's, 0 (V was 0 everywhere).
     last = 2 * (m - 1)
@@ -199,9 +203,8 @@ def test_grpo_weighs_every_episode_the_same_however_many_chunks_it_has():
     episodes = _episodes_with_outcomes([True, False])
     for ep in episodes:
         ep.seed = 7
-    serials = [0, 1]
     records = {(0, 0): None, (1, 0): None, (1, 2): None, (1, 4): None}
-    adv, stats = grpo_chunk_advantages(episodes, serials, records)
+    adv, stats = grpo_chunk_advantages(episodes, records)
     assert stats["grpo/n_groups"] == 1.0
     assert adv[(0, 0)] > 0 and all(adv[(1, s)] < 0 for s in (0, 2, 4))
     assert sum(adv.values()) == pytest.approx(0.0, abs=1e-6)
@@ -211,6 +214,6 @@ def test_grpo_weighs_every_episode_the_same_however_many_chunks_it_has():
 def test_gae_needs_aligned_inputs():
     episodes = _episodes_with_outcomes([True, False])
     value = torch.nn.Linear(4, 1)
-    with pytest.raises(ValueError, match="one serial and one feature array per episode; got 1 serials"):
-        gae_chunk_advantages(value, torch.optim.SGD(value.parameters(), lr=0.1), episodes,
-                             [torch.zeros(len(ep), 4) for ep in episodes], [0], {}, chunk_steps=2)  # fmt: skip
+    with pytest.raises(ValueError, match="one feature array per episode; got 1 for 2 episodes"):
+        gae_chunk_advantages(value, torch.optim.SGD(value.parameters(), lr=0.1), episodes, [torch.zeros(3, 4)], {},
+                             chunk_steps=2)  # fmt: skip

@@ -14,8 +14,13 @@ import pytest
 from test_board import scalars
 
 from diffusion_rl.data.lerobot_v3 import read_episodes
-from kinema.train.config import load_config
+from kinema import common
+from kinema.train.config import TrainConfig
 from policies.vla import VLAConfig, VLAPolicy
+
+
+def load_config(*args, **kwargs):
+    return common.load_config(*args, config_class=kwargs.pop("config_class", TrainConfig), **kwargs)
 
 TINY = [
     "--task", "drawer", "--demos.episodes", "4", "--sft.steps", "6", "--sft.batch_size", "8",
@@ -136,14 +141,14 @@ def test_bad_values_and_bad_yaml_name_the_key_or_the_file(tmp_path: Path):
 def test_resume_refuses_overrides_of_what_the_run_was_made_with_and_keeps_the_run(tmp_path: Path, config_class: str):
     """`--resume R --policy.image_size 32` once broke R for good (config.yaml rewritten, the checkpoint 64 px): the
     override is refused before anything is written; overrides of the rest (more rounds, a device) still apply."""
-    from kinema.train.config import dump_config, load_run_config
+    from kinema.common import dump_config, load_run_config
     from kinema.video.config import VideoTrainConfig
 
     cls, fixed, free = {
-        "train": (None, ["--policy.image_size", "32"], (["--rl.rounds", "9"], lambda c: c.rl.rounds == 9)),
+        "train": (TrainConfig, ["--policy.image_size", "32"], (["--rl.rounds", "9"], lambda c: c.rl.rounds == 9)),
         "video": (VideoTrainConfig, ["--model.lora_rank", "4"], (["--model.device", "cuda"], lambda c: c.model.device == "cuda")),
     }[config_class]
-    kwargs = {"config_class": cls} if cls else {}
+    kwargs = {"config_class": cls}
     saved = dump_config(load_config(None, [], **kwargs))
     (tmp_path / "config.yaml").write_text(saved)
     key = fixed[0][2:]
@@ -201,7 +206,7 @@ def test_actor_replay_mixing_fixed_share_or_pooled_by_weight(mixing, expected_sh
     import torch
 
     from kinema.train.buffer import StepBuffer
-    from kinema.train.workflow import actor_updates
+    from kinema.train.actor import actor_updates
     from policies.vla import VLAConfig
 
     torch.manual_seed(0)
@@ -247,17 +252,17 @@ def test_flow_ppo_runs_and_resumes_with_its_reference(tmp_path: Path):
     times. (These tiny rollouts all fail, so no PPO update runs here; the updates and the KL term are tested in
     tests/test_train_ppo.py.)"""
     run = tmp_path / "run"
-    args = ["--rl.method", "flow_ppo", "--rl.group_size", "3", "--eval.heldout", "false", "--eval.videos", "0"]
+    args = ["--rl.method", "flow_ppo", "--rl.ppo.group_size", "3", "--eval.heldout", "false", "--eval.videos", "0"]
     rounds = train_two_rounds_with_a_resume(run, args)
     assert all({"ppo/updates", "grpo/n_groups"} <= set(r) and r["grpo/n_groups"] == 1.0 for r in rounds)
 
 
 @pytest.mark.slow
 def test_flow_ppo_with_a_critic_rolls_out_distinct_seeds_and_fits_its_value_head(tmp_path: Path):
-    """rl.ppo_advantage gae: no GRPO groups (every rollout its own seed), GAE advantages from the value head, which is
+    """rl.ppo.advantage gae: no GRPO groups (every rollout its own seed), GAE advantages from the value head, which is
     fitted on the λ-returns every round; its PPO updates run even when every rollout fails."""
     run = tmp_path / "run"
-    args = ["--rl.method", "flow_ppo", "--rl.ppo_advantage", "gae", "--eval.heldout", "false", "--eval.videos", "0"]
+    args = ["--rl.method", "flow_ppo", "--rl.ppo.advantage", "gae", "--eval.heldout", "false", "--eval.videos", "0"]
     result = kinema("train", *TINY, *args, "--rl.rounds", "1", "--out", str(run))
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -269,15 +274,15 @@ def test_flow_ppo_with_a_critic_rolls_out_distinct_seeds_and_fits_its_value_head
 
 
 def test_unknown_ppo_advantage_is_refused_with_the_valid_ones():
-    with pytest.raises(ValueError, match="rl.ppo_advantage must be one of grpo, gae; got 'vtrace'"):
-        load_config(None, ["--rl.ppo_advantage", "vtrace"])
-    with pytest.raises(ValueError, match=r"rl.ppo_gae_lambda must be in \[0, 1\]; got 1.5"):
-        load_config(None, ["--rl.ppo_gae_lambda", "1.5"])
+    with pytest.raises(ValueError, match="rl.ppo.advantage must be one of grpo, gae; got 'vtrace'"):
+        load_config(None, ["--rl.ppo.advantage", "vtrace"])
+    with pytest.raises(ValueError, match=r"rl.ppo.gae_lambda must be in \[0, 1\]; got 1.5"):
+        load_config(None, ["--rl.ppo.gae_lambda", "1.5"])
 
 
 def test_negative_ppo_trust_region_settings_are_refused():
-    with pytest.raises(ValueError, match=r"rl.ppo_kl_weight must be >= 0 \(0 turns it off\); got -0.1"):
-        load_config(None, ["--rl.ppo_kl_weight", "-0.1"])
+    with pytest.raises(ValueError, match=r"rl.ppo.kl_weight must be >= 0 \(0 turns it off\); got -0.1"):
+        load_config(None, ["--rl.ppo.kl_weight", "-0.1"])
 
 
 def test_curves_of_an_sft_only_run_say_there_were_no_rounds(tmp_path: Path):
@@ -296,7 +301,7 @@ def test_leftover_demos_of_another_task_or_seed_are_refused_not_reused(tmp_path:
     """A run that failed after collecting leaves `demos/`; starting the folder again reuses them only if they are
     what the config collects (task, seeds and collection settings); a `stack` run once trained on leftover
     `drawer` demos."""
-    from kinema.train.workflow import read_collected, write_collected
+    from kinema.common import read_collected, write_collected
     from sim.rollout import collect_demos
 
     folder, settings = tmp_path / "demos", {"demos": {"noise": 0.05}, "image_size": 32}

@@ -455,7 +455,7 @@ def test_model_path_takes_the_run_video_shape(tmp_path: Path):
 
 
 def test_run_resume_drops_records_the_checkpoint_does_not_cover(tmp_path: Path):
-    from kinema.train.workflow import Run
+    from kinema.common import Run
 
     run = Run(tmp_path, console=None)
     run.log({"kind": "pretrain"})

@@ -8,13 +8,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kinema.train.config import load_run_config
+from kinema.common import load_run_config
+from kinema.train.config import TrainConfig
 
 
 def train_command(args: argparse.Namespace, overrides: list[str]) -> int:
     from kinema.train.workflow import train
 
-    train(load_run_config(args.config, overrides, args.resume), resume=bool(args.resume))
+    train(load_run_config(args.config, overrides, args.resume, config_class=TrainConfig), resume=bool(args.resume))
     return 0
 
 
@@ -22,7 +23,7 @@ def eval_command(args: argparse.Namespace) -> int:
     import torch
 
     from kinema.train.evaluate import SPLITS, evaluate
-    from policies.vla import VLAPolicy
+    from policies import load_policy
     from sim.tasks import task_class
 
     task_class(args.task)
@@ -44,7 +45,7 @@ def eval_command(args: argparse.Namespace) -> int:
         raise SystemExit(f"--task-config must be a JSON object, e.g. '{{\"num_distractors\": 0}}'; got {args.task_config!r} ({err})") from None
     if task_config is not None and not isinstance(task_config, dict):
         raise SystemExit(f"--task-config must be a JSON object; got {args.task_config!r}")
-    policy = VLAPolicy.from_pretrained(args.policy)
+    policy = load_policy(args.policy)
     seen = policy.config.extra.get("tasks", [])
     if seen and args.task not in seen:
         console.print(f"[yellow]note: this checkpoint was trained on {seen}, not on {args.task!r}: evaluating anyway")

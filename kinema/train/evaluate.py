@@ -20,14 +20,15 @@ class ChunkPolicy:
     """Adapts a VLA (or anything with `predict_action_chunk`) to sim.rollout's batched policy interface.
 
     With `sde_noise`, chunks are sampled with Flow-SDE steps and every chunk an env executes is recorded with its
-    observation and per-step log-probs, keyed by (episode number, step): what the Flow-SDE PPO/GRPO baseline needs.
+    observation and per-step log-probs: `chunk_records()`, what the Flow-SDE PPO/GRPO baseline needs.
     """
 
     def __init__(self, policy: Any, *, n_action_steps: int | None = None, sde_noise: float | None = None) -> None:
         self.policy = policy
         self.n_action_steps = n_action_steps or policy.config.n_action_steps
         self.sde_noise = sde_noise
-        self.records: dict[tuple[int, int], dict[str, Any]] = {}
+        self.records: dict[tuple[int, int], dict[str, Any]] = {}  # by (episode start-order number, step)
+        self.finished: list[int] = []  # start-order numbers, in the order `collect` returns the episodes
         self._last: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
 
     @torch.no_grad()
@@ -42,6 +43,15 @@ class ChunkPolicy:
             self._last = ({k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in batch.items()}, record)
         self.policy.train(was_training)
         return chunk[:, : self.n_action_steps].cpu().numpy()
+
+    def episode_finished(self, episode: int) -> None:
+        self.finished.append(episode)
+
+    def chunk_records(self) -> dict[tuple[int, int], dict[str, Any]]:
+        """The executed chunks' records keyed by (index of the episode in the list `collect` returned, env step at
+        which the chunk was computed), in the order the chunks were taken; empty without `sde_noise`."""
+        index = {serial: i for i, serial in enumerate(self.finished)}
+        return {(index[serial], step): rec for (serial, step), rec in self.records.items() if serial in index}
 
     def chunk_taken(self, env_index: int, episode: int, step: int) -> None:
         if self._last is None:

@@ -40,11 +40,11 @@ def restrict_to_flow_grpo_settings(policy: Any, optimizer: torch.optim.Optimizer
         policy.expert.requires_grad_(True)
 
 
-ChunkKey = tuple[int, int]  # (episode serial, env step at which the chunk was computed): ChunkPolicy.records' key
+ChunkKey = tuple[int, int]  # (index of the episode, env step at which the chunk was computed): ChunkPolicy.chunk_records()
 
 
 def grpo_chunk_advantages(
-    episodes: Sequence[Episode], serials: Sequence[int], records: Mapping[ChunkKey, Any]
+    episodes: Sequence[Episode], records: Mapping[ChunkKey, Any]
 ) -> tuple[dict[ChunkKey, float], dict[str, float]]:
     """GRPO: each chunk gets its episode's outcome advantage within the group of episodes sharing a seed, scaled by
     mean chunks per episode / its episode's chunks, so that every episode weighs the same in the loss.
@@ -53,12 +53,10 @@ def grpo_chunk_advantages(
     that the per-sample mean advantage was -0.22 to -0.47 in every round checked (drawer, push, pick_place): most
     of the objective said "make every sample the policy drew less likely". Flow-GRPO, one sample per trajectory,
     has no such bias."""
-    if len(serials) != len(episodes):
-        raise ValueError(f"need one serial per episode; got {len(serials)} for {len(episodes)} episodes")
     rewards = torch.tensor([float(ep.outcome) for ep in episodes])
     groups = torch.tensor([int(ep.seed) for ep in episodes])
     adv = grpo_advantages(rewards, groups)
-    per_episode = dict(zip(serials, adv.advantages.tolist()))
+    per_episode = dict(enumerate(adv.advantages.tolist()))
     chunks = Counter(serial for serial, _ in records if serial in per_episode)
     mean_chunks = sum(chunks.values()) / max(len(chunks), 1)
     advantages = {key: per_episode[key[0]] * mean_chunks / chunks[key[0]] for key in records if key[0] in per_episode}
@@ -70,7 +68,6 @@ def gae_chunk_advantages(
     value_optimizer: torch.optim.Optimizer,
     episodes: Sequence[Episode],
     features: Sequence[Tensor],
-    serials: Sequence[int],
     records: Mapping[ChunkKey, Any],
     *,
     chunk_steps: int,
@@ -86,11 +83,9 @@ def gae_chunk_advantages(
     advantages use the critic as it was before this round (PPO's order: a critic fitted to these very episodes
     first would explain their returns away); then the critic is regressed on the λ-returns for critic_steps.
     """
-    if not (len(serials) == len(episodes) == len(features)):
-        raise ValueError(
-            f"need one serial and one feature array per episode; got {len(serials)} serials and {len(features)} "
-            f"feature arrays for {len(episodes)} episodes"
-        )
+    if len(features) != len(episodes):
+        raise ValueError(f"need one feature array per episode; got {len(features)} for {len(episodes)} episodes")
+    serials = range(len(episodes))
     starts: dict[int, list[int]] = {serial: [] for serial in serials}
     for serial, step in records:
         if serial in starts:
@@ -132,19 +127,6 @@ def gae_chunk_advantages(
     return dict(zip(keys, normalised.tolist())), stats
 
 
-def flow_grpo_updates(
-    policy: Any,
-    optimizer: torch.optim.Optimizer,
-    episodes: Sequence[Episode],
-    serials: Sequence[int],
-    records: Mapping[ChunkKey, dict[str, Any]],
-    **kwargs: Any,
-) -> dict[str, float]:
-    """Flow-GRPO: group-relative advantages, then `flow_ppo_updates`."""
-    advantages, stats = grpo_chunk_advantages(episodes, serials, records)
-    return {**flow_ppo_updates(policy, optimizer, records, advantages, **kwargs), **stats}
-
-
 def flow_ppo_updates(
     policy: Any,
     optimizer: torch.optim.Optimizer,
@@ -166,8 +148,7 @@ def flow_ppo_updates(
     target_kl > 0: the round's updates stop once a minibatch's approximate KL to the rollout policy (measured before
     its update) passes 1.5 × target_kl; like CleanRL's `target_kl`, the check follows the update, so the update that
     crossed is kept (stable-baselines3 skips it). Without it the tiny VLA moved 0.3–2.9 nats per log-prob element
-    in a round and collapsed to 0 % success by round 4 (drawer and pick_place, 2026-11-30; the measured settings
-    are in `kinema.train.config.RLConfig`).
+    in a round and collapsed to 0 % success by round 4 (drawer and pick_place; benchmarks/RESULTS.md).
     kl_weight > 0 (with `reference`, the frozen starting policy): Flow-GRPO's β·KL between the current and the
     reference policy's SDE steps at the recorded states, an anchor on the cumulative drift that the per-round
     trust region does not bound.

@@ -138,6 +138,6 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
         "Videos: " + ", ".join(f"[{p.name}](videos/{p.name})" for p in sorted((root / "videos").glob("*.mp4"))),
         "",
         "Metrics: `metrics.jsonl` (one JSON object per line); checkpoints in `checkpoints/` "
-        "(`VLAPolicy.from_pretrained`); rollouts of every round in `rollouts/` (LeRobotDataset v3).",
+        "(`policies.load_policy`); rollouts of every round in `rollouts/` (LeRobotDataset v3).",
     ]
     return write_text_atomic(root / "report.md", "\n".join(lines) + "\n")

@@ -26,7 +26,7 @@ def add_video_commands(sub: argparse._SubParsersAction) -> None:
 
 def run_video_command(args: argparse.Namespace, extra: list[str]) -> int:
     """Run a `kinema video` subcommand; `extra` holds the dotted config overrides."""
-    from kinema.train.config import load_run_config
+    from kinema.common import load_run_config
     from kinema.video.config import VideoTrainConfig
     from kinema.video.workflow import train_video
 

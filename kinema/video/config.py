@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
-from kinema.train import config as train_config
-from kinema.train.config import load_config
+from kinema import common
 
 METHODS = ("awr", "nft", "distill", "afd", "opsd", "flow_grpo")
 BALANCING = ("gdpo", "weighted_sum")
@@ -257,14 +256,14 @@ class VideoTrainConfig:
 
 def load_video_config(config_path: str | None = None, overrides: list[str] | None = None) -> VideoTrainConfig:
     """VideoTrainConfig from an optional YAML file (a path or a shipped name such as `video_awr`) plus
-    `--a.b value` / `--a.b=value` overrides (kinema's one config loader, `kinema.train.config.load_config`)."""
-    return load_config(config_path, overrides, config_class=VideoTrainConfig)
+    `--a.b value` / `--a.b=value` overrides (kinema's one config loader, `kinema.common.load_config`)."""
+    return common.load_config(config_path, overrides, config_class=VideoTrainConfig)
 
 
 def config_keys_help() -> str:
     """Every dotted config key with its default, for `kinema video train --help`."""
-    return train_config.config_keys_help(VideoTrainConfig)
+    return common.config_keys_help(VideoTrainConfig)
 
 
 def dump_config(config: VideoTrainConfig) -> str:
-    return train_config.dump_config(config)
+    return common.dump_config(config)

@@ -28,8 +28,7 @@ import torch
 from rich.console import Console
 
 from diffusion_rl.data.lerobot_v3 import read_episodes
-from kinema.sim_commands import progress_bar
-from kinema.train.workflow import Run, read_collected, warn_if_other_task, write_collected
+from kinema.common import Run, progress_bar, read_collected, warn_if_other_task, write_collected
 from kinema.video.config import VideoTrainConfig, dump_config
 from kinema.video.report import write_grid, write_report, write_reward_curves, write_videos_mp4
 from kinema.video.trainer import VideoTrainer

@@ -1,0 +1,126 @@
+"""What every method's actor update shares: flow-matching steps on a mix of demonstrations and replay, the acting
+average of the trained weights, and the policy's features of a buffer's steps (what the critics read)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kinema.train.buffer import StepBuffer
+
+REPLAY_MIXING = ("fixed", "pooled")
+
+# A per-sample actor loss: (policy, batch, context, replay_index) -> (B,), the first B - len(replay_index) samples
+# demonstrations, the rest the replay steps `replay_index` names. The default is the policy's flow-matching loss.
+ActorLoss = Callable[[Any, dict, Any, np.ndarray], torch.Tensor]
+
+
+def actor_updates(
+    policy: Any,
+    optimizer: torch.optim.Optimizer,
+    *,
+    steps: int,
+    batch_size: int,
+    demos: StepBuffer,
+    replay: StepBuffer | None,
+    replay_weights: np.ndarray | None,
+    demo_fraction: float,
+    aux_weight: float,
+    rng: np.random.Generator,
+    mixing: str = "fixed",
+    loss_fn: ActorLoss | None = None,
+    train_mode: bool = True,
+    on_step: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Flow-matching updates on a mix of demonstrations (weight 1) and replay steps drawn ∝ their credit weight.
+
+    mixing "fixed": `demo_fraction` of every minibatch comes from the demonstrations. "pooled" (HABC's weighted
+    loss over demos ∪ rollouts): demos and replay steps form one pool, a demo step counting 1 and a replay step its
+    weight (the credit rules normalise kept weights to mean 1), so the replay share is W / (N_demo + W) and a
+    handful of successes is not oversampled to half of every batch.
+
+    `loss_fn` replaces the flow-matching loss (e.g. DiffusionNFT's); `train_mode` False runs the policy in eval mode
+    (no augmentation or state dropout), for losses that compare it with a frozen copy on the very same inputs.
+    """
+    use_replay = replay is not None and replay_weights is not None and replay_weights.sum() > 0
+    imitable = demos.imitable_index()
+    if not len(imitable):
+        raise ValueError("no demonstration step to imitate: every step is labelled idle or failure-inducing")
+    if mixing not in REPLAY_MIXING:
+        raise ValueError(f"replay mixing must be one of {REPLAY_MIXING}; got {mixing!r}")
+    if not use_replay:
+        replay_share = 0.0
+    elif mixing == "pooled":
+        replay_share = float(replay_weights.sum()) / (len(imitable) + float(replay_weights.sum()))
+    else:
+        replay_share = 1.0 - demo_fraction
+    probs = replay_weights / replay_weights.sum() if use_replay else None
+    losses, n_replay_total = [], 0
+    policy.train(train_mode)
+    for _ in range(steps):
+        if mixing == "pooled":
+            n_replay = int(rng.binomial(batch_size, replay_share))
+        else:
+            n_replay = int(round(batch_size * replay_share))
+        n_replay_total += n_replay
+        parts = [demos.batch(rng.choice(imitable, batch_size - n_replay), policy.config.chunk_size)] if n_replay < batch_size else []
+        replay_index = rng.choice(len(replay), n_replay, p=probs) if n_replay else np.zeros(0, dtype=np.int64)
+        if n_replay:
+            parts.append(replay.batch(replay_index, policy.config.chunk_size))
+        batch = concat_batches(parts)
+        context, aux_features = policy.encode(batch)
+        if loss_fn is None:
+            loss = policy.flow_loss(batch, context=context).mean()
+        else:
+            loss = loss_fn(policy, batch, context, replay_index).mean()
+        if aux_weight and "aux_target" in batch:
+            loss = loss + aux_weight * policy.aux_loss(batch, aux_features).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step()
+    return {
+        "actor/loss": float(np.mean(losses)) if losses else float("nan"),
+        "actor/replay_share": n_replay_total / (batch_size * steps) if steps else replay_share,
+    }
+
+
+def concat_batches(parts: Sequence[dict]) -> dict:
+    if len(parts) == 1:
+        return parts[0]
+    keys = set(parts[0]).intersection(*parts[1:])
+    return {k: (sum((p[k] for p in parts), []) if k == "task" else torch.cat([p[k] for p in parts])) for k in keys}
+
+
+@torch.no_grad()
+def ema_update(ema: Any, online: Any, decay: float) -> None:
+    """Exponential moving average of the weights: the policy that acts. Flow policies trained on small data
+    swing widely between nearby checkpoints; the average does not."""
+    for e, o in zip(ema.parameters(), online.parameters()):
+        if o.requires_grad:  # a frozen backbone's weights are equal in both: averaging them only costs time
+            e.lerp_(o, 1.0 - decay)
+    for e, o in zip(ema.buffers(), online.buffers()):
+        e.copy_(o)
+
+
+def policy_features(policy: Any, buffer: StepBuffer, batch_size: int = 256) -> torch.Tensor:
+    """φ(s) for every step of a buffer, (N_steps, hidden_dim), in eval mode (no augmentation)."""
+    was_training = policy.training
+    policy.eval()
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(buffer), batch_size):
+            index = np.arange(start, min(start + batch_size, len(buffer)))
+            out.append(policy.features(buffer.batch(index, policy.config.chunk_size)))
+    policy.train(was_training)
+    return torch.cat(out)
+
+
+def split_per_episode(flat: torch.Tensor, buffer: StepBuffer) -> list[torch.Tensor]:
+    return [flat[s : s + n] for s, n in zip(buffer.episode_start, buffer.episode_length)]

@@ -1,0 +1,167 @@
+"""The interface every RL method of `kinema train` implements, and the state its rounds work on.
+
+A round of `kinema train` is: `roll_out` (episodes of the acting policy, written to the run folder, scored by the
+success model), then `update` (the method's critics, credit and actor update). A method is one class; its options are
+one dataclass at `rl.<options_key>`. `kinema.train.methods.METHODS` registers them by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+from diffusion_rl.data import Episode
+from diffusion_rl.data.lerobot_v3 import write_episodes
+from kinema.common import Run
+from kinema.train.actor import ActorLoss, actor_updates, ema_update, policy_features, split_per_episode
+from kinema.train.buffer import StepBuffer
+from kinema.train.evaluate import ChunkPolicy, summarize
+from kinema.train.success import RolloutSuccessModel
+from sim.env import CAMERAS
+from sim.monitor import MonitorConfig
+from sim.rollout import collect, make_vector
+
+if TYPE_CHECKING:
+    from kinema.train.config import TrainConfig
+
+ROLLOUT_SEED_OFFSET = 100_000  # rollout seeds: disjoint from demo seeds (0..) and evaluation seeds (1e6..)
+Progress = Callable[[int], None]  # advances the run's progress bar by that many actor updates
+
+
+@dataclass
+class Learner:
+    """What a method's rounds work on: the policy being trained, the policy that acts (an average of its weights,
+    or the policy itself), the optimiser, the demonstrations, the replay of recent rounds and the run's counters."""
+
+    cfg: TrainConfig
+    run: Run
+    policy: Any
+    acting: Any
+    optimizer: torch.optim.Optimizer
+    demos: StepBuffer
+    rng: np.random.Generator
+    decay: float  # of the acting average; 0: the acting policy is the trained one
+    success_model: RolloutSuccessModel
+    replay: list[list[Episode]] = field(default_factory=list)  # rollouts of the rounds kept, oldest first
+    env_steps: int = 0
+    actor_step: int = 0
+
+    def average(self) -> None:
+        if self.decay:
+            ema_update(self.acting, self.policy, self.decay)
+
+
+@dataclass
+class Rollouts:
+    """One round's rollouts, with the replay window they joined and the acting policy's features of it."""
+
+    round: int
+    new: list[Episode]
+    episodes: list[Episode]  # the replay window, oldest round first; `new` are its last ones
+    buffer: StepBuffer  # every step of `episodes`
+    features: list[torch.Tensor]  # per episode of `episodes`: (T_i, hidden_dim)
+    # Flow-SDE runners only: each executed chunk's observation and denoising log-probs, keyed by (index in `new`,
+    # env step), in the order the chunks were taken.
+    chunks: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+
+
+class RLMethod:
+    """One RL method. Subclasses set the class attributes and implement `update`; the rest has defaults."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]  # one line, for --help
+    options_key: ClassVar[str] = ""  # its options live at rl.<options_key> (none when empty)
+    options_class: ClassVar[type | None] = None
+    has_rounds: ClassVar[bool] = True  # False: SFT only
+    acts_with_average: ClassVar[bool] = True  # False: acts with the very weights it updates (on-policy gradients)
+    on_policy: ClassVar[bool] = False  # True: learns from the newest round only
+
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+        self.cfg = learner.cfg
+        self.options = getattr(self.cfg.rl, self.options_key) if self.options_key else None
+
+    @classmethod
+    def check_config(cls, cfg: TrainConfig) -> None:
+        """Refuse settings this method cannot honour, naming the key (called when the config loads)."""
+
+    def replay_rounds(self) -> int:
+        return 1 if self.on_policy else self.cfg.rl.replay_rounds
+
+    def prepare(self) -> None:
+        """Before the first round of this start (fresh or resumed): what the method sets on the policy or optimiser."""
+
+    # -- a round -------------------------------------------------------------------------------------------------------
+    def rollout_plan(self, first_seed: int) -> tuple[list[int], ChunkPolicy]:
+        """The round's seeds and the runner that acts: distinct seeds, the acting policy's ODE chunks."""
+        return list(range(first_seed, first_seed + self.cfg.rl.episodes_per_round)), ChunkPolicy(self.learner.acting)
+
+    def roll_out(self, round_index: int, record: dict[str, Any]) -> Rollouts | None:
+        learner, cfg = self.learner, self.cfg
+        seeds, runner = self.rollout_plan(ROLLOUT_SEED_OFFSET + round_index * 1000)
+        new = roll_out_policy(runner, cfg, seeds, round_index)
+        write_episodes(learner.run.root / "rollouts" / f"round-{round_index:03d}", new)
+        learner.env_steps += sum(len(ep) for ep in new)
+        stats = summarize(new)
+        record.update({"rollout/success": stats.success, "rollout/takeover_rate": stats.takeover_rate, "env_steps": learner.env_steps})
+        learner.replay = (learner.replay + [new])[-self.replay_rounds() :]
+        episodes = [ep for round_eps in learner.replay for ep in round_eps]
+        record["replay/episodes"] = len(episodes)
+        buffer = StepBuffer.from_episodes(episodes, CAMERAS)
+        features = split_per_episode(policy_features(learner.acting, buffer), buffer)
+        if cfg.rl.success_model:  # RLER: calibration on the fresh rollouts, then a refit
+            record.update(learner.success_model.score_and_refit(new, features[-len(new) :], target=cfg.rl.success_target))
+        return Rollouts(round_index, new, episodes, buffer, features, runner.chunk_records())
+
+    def update(self, rollouts: Rollouts | None, record: dict[str, Any], progress: Progress) -> None:
+        """Critics, credit and `cfg.rl.updates_per_round` actor updates; diagnostics go into `record`."""
+        raise NotImplementedError
+
+    def imitate(
+        self, rollouts: Rollouts | None, weights: np.ndarray | None, record: dict[str, Any], progress: Progress, *,
+        loss_fn: ActorLoss | None = None, train_mode: bool = True,
+    ) -> None:  # fmt: skip
+        """The actor update of the imitation-style methods: flow matching on demonstrations and replay steps drawn ∝
+        `weights` (one per replay step; None: demonstrations only), the acting average following every step."""
+        learner, rl = self.learner, self.cfg.rl
+        if weights is not None:
+            record["weights/nonzero_share"] = float((weights > 0).mean())
+
+        def step() -> None:
+            learner.average()
+            progress(1)
+
+        record.update(actor_updates(
+            learner.policy, learner.optimizer, steps=rl.updates_per_round, batch_size=rl.batch_size, demos=learner.demos,
+            replay=rollouts.buffer if rollouts is not None else None, replay_weights=weights, demo_fraction=rl.demo_fraction,
+            aux_weight=0.0, rng=learner.rng, mixing=rl.replay_mixing, loss_fn=loss_fn, train_mode=train_mode, on_step=step,
+        ))  # fmt: skip
+
+    # -- what a checkpoint keeps of the method (its critics) -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    @classmethod
+    def from_legacy_critics(cls, critics: dict[str, Any]) -> dict[str, Any]:
+        """Its `state_dict` from a checkpoint written before the methods split (one `critics` dict for all)."""
+        return {}
+
+
+def roll_out_policy(runner: ChunkPolicy, cfg: TrainConfig, seeds: Sequence[int], round_index: int) -> list[Episode]:
+    """One episode per seed with `runner` acting (with the simulated human when `rl.interventions`)."""
+    kwargs: dict[str, Any] = dict(image_size=cfg.policy.image_size, config=cfg.task_config or None)
+    if cfg.rl.interventions:
+        kwargs.update(actor="monitored", monitor=MonitorConfig())
+    num_envs = max(1, min(cfg.num_envs, len(seeds)))
+    vector = make_vector(cfg.task, num_envs, num_workers=min(cfg.workers, num_envs), **kwargs)
+    try:
+        return collect(vector, runner, seeds, task_id=cfg.task, policy_version=f"round-{round_index}")
+    finally:
+        vector.close()
