@@ -18,9 +18,10 @@ from test_board import scalars
 from diffusion_rl.flow import sde_step_with_logprob
 from kinema.media import write_mp4
 from kinema.video.config import METHODS, VideoTrainConfig, load_video_config
-from kinema.video.trainer import BASE, REF, TRAINED, VideoTrainer, base_weights
+from kinema.video.methods import REF, TRAINED
+from kinema.video.trainer import VideoTrainer, base_weights
 from kinema.video.workflow import load_teacher_clips
-from policies.video.generator import VideoGenerator
+from policies.video.generator import BASE, VideoGenerator
 from policies.video.rewards import make_rewards
 from policies.video.rewards.base import VideoReward
 
@@ -311,7 +312,7 @@ def test_opsd_teacher_model_must_share_the_latent_shape():
     assert spy.calls and all(adapter is None for adapter, _ in spy.calls)
     assert _rows_from(spy)
     # ... which differ from the student's (another text encoder): reading the student's would fail the line above.
-    assert not torch.equal(trainer.model.embed(PROMPTS[:1]), same.encode_prompts(PROMPTS[:1]))
+    assert not torch.equal(trainer.generator.encode_prompts(PROMPTS[:1]), same.encode_prompts(PROMPTS[:1]))
 
 
 class _Constant(VideoReward):
@@ -371,12 +372,12 @@ def test_awr_reference_schedule_and_shifted_timesteps():
     assert const.method.ref_decay() == 0.9
     # The AWR timesteps come from the model's own (shifted) schedule.
     gen.scheduler.register_to_config(shift=3.0)
-    sched = trainer.model.schedule(20)
+    sched = gen.sigmas(20)
     ro = trainer.collect()
     trainer.method.prepare(ro)
     seen = []
-    orig = trainer.model.velocity
-    trainer.model.velocity = lambda x, t, *a, **k: (seen.append(t), orig(x, t, *a, **k))[1]
+    orig = gen.velocity
+    gen.velocity = lambda x, t, *a, **k: (seen.append(t), orig(x, t, *a, **k))[1]
     trainer.method.loss(ro, torch.arange(4), 0)
     allowed = sched[sched >= 0.5]
     assert all(any(torch.isclose(v, allowed).any() for v in t) for t in seen)

@@ -82,33 +82,18 @@ class AnchorConfig:
 
 @dataclass
 class MethodOptions:
-    # τ of the VideoAWR energies softmax(A/τ). FlowAWR's (faithful) τ is 1; 0.5 is our variant, measured on
-    # benchmarks/video_rl.py (group 4): the target reward in 61 CPU-s instead of 71 (τ = 0.25: slower, diversity 0.72);
-    # the full run with it: 55 CPU-s, 3.56x faster than Flow-GRPO
-    awr_temperature: float = 0.5
-    awr_rollout_guidance: float = 1.5  # CFG scale of the reference's rollouts (the anchor stays unguided); 3.0 stalled
-    # the tiny model (its unconditional branch is weak), 1.0-1.5 learnt (benchmarks/video_rl.py toy)
+    awr_temperature: float = 0.5  # τ of the VideoAWR energies softmax(A/τ) (FlowAWR's faithful τ is 1; 0.5 is ours)
+    awr_rollout_guidance: float = 1.5  # CFG scale of the reference's rollouts (the anchor stays unguided)
     awr_t_low: float = 0.5  # decoupled per-sample timesteps from [t_low, 1] of the model's 20-step schedule (high noise)
-    # Ours: the samples of one prompt group share the training timestep and noise (common random numbers), so a
-    # group's targets differ by their x0 alone. FlowAWR (faithful) draws them per sample: False. Measured on
-    # benchmarks/video_rl.py, seeds 0-4, CPU-s to half the gap, each beside Flow-GRPO in the same run: 51 / 42 / 56 /
-    # 73 / 70 (lower median speed-up 5.18x, >= 4x on every seed; diversity 1.12-1.72 of the start) against
-    # 62 / >90 / 75 / 47 / 71 per sample (3.86x)
-    awr_shared_noise: bool = True
+    awr_shared_noise: bool = True  # a prompt group's samples share their training t and noise (ours; FlowAWR: False)
     awr_eval_ema: float = 0.9  # FlowAWR evaluates a separate EMA of the trained weights with this decay (0: the raw adapter)
     nft_beta: float = 1.0  # DiffusionNFT's β
     adv_clip_max: float = 5.0
     tilt_beta: float = 1.0  # Stream-R1's exp(β·r) rollout weights (distill, OPSD)
-    # r of the tilt: balanced (Stream-R1, faithful: mean − ½·std of the rewards z-scored over the round) | advantage
-    # (our variant: the GDPO advantage, z-scored within each prompt group). Measured on benchmarks/video_rl.py,
-    # 25 CPU-s of distill: diversity 1.11 of the start with balanced, 0.69 with advantage (the earlier default);
-    # the full 90 CPU-s runs: 0.92 balanced, 0.72 advantage
+    # r of the tilt: balanced (Stream-R1: mean − ½·std of the round's z-scored rewards) | advantage (ours: GDPO's)
     tilt_reward: str = "balanced"
     saliency: bool = True  # Stream-R1's reward-gradient saliency weights (needs differentiable rewards)
-    # Fake-score updates per student update (DMD2's two time-scale rule uses 5). Measured on benchmarks/video_rl.py
-    # (25 CPU-s of distill): 2 and 5 made the samples noisier (diversity 1.7 and 3.0 of the start, reward down);
-    # 1 is the default
-    dmd_fake_updates: int = 1
+    dmd_fake_updates: int = 1  # fake-score updates per student update (DMD2's two time-scale rule uses 5)
     teacher_guidance: float = 1.5  # CFG scale of the teacher (distill's real score, AFD's teacher, OPSD's cfg teacher)
     teacher_path: str = ""  # another model as teacher (AFD, OPSD teacher=model); "" = the reference itself
     teacher_videos: str = ""  # AFD: a folder of teacher MP4s, each with a sibling .txt holding its prompt
@@ -134,7 +119,7 @@ class PostTrainConfig:
 
 
 @dataclass
-class EvalConfig:
+class VideoEvalConfig:
     interval: int = 5  # evaluate and checkpoint every this many rounds (and after the last)
     prompts: int = 4  # evaluation prompts (fixed for the whole run)
     samples_per_prompt: int = 8  # for the reward mean and the diversity (mean pairwise distance within a prompt)
@@ -160,7 +145,7 @@ class VideoTrainConfig:
     rewards: RewardConfig = field(default_factory=RewardConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     train: PostTrainConfig = field(default_factory=PostTrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: VideoEvalConfig = field(default_factory=VideoEvalConfig)
 
     def __post_init__(self) -> None:
         if self.train.method not in METHODS:
