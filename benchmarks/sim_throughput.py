@@ -4,7 +4,8 @@
   converted to control steps/s (25 physics steps each);
 - render limit: raw `mujoco.Renderer` frames of the same two cameras at the same size;
 - ratio_state  = state-only env steps/s / physics limit;
-- ratio_camera = camera env steps/s / (1 / (physics time per control step + render time of both cameras)).
+- ratio_camera = camera env steps/s / (1 / (physics time per control step + render time of both cameras));
+  each the median over short blocks that measure the subject and its reference back to back, with its IQR.
 
 Last line: one JSON object.
 """
@@ -103,21 +104,25 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--envs-per-worker", type=int, default=4)
     args = parser.parse_args()
-    steps = 250 if args.quick else 1500
     cams = ("agentview", "wrist")
-
-    # Interleave each measurement with its reference and keep the best of a few rounds, so that load from other
-    # processes on the machine hits both sides of every ratio alike.
-    rounds = 2 if args.quick else 3
-    state_rate = physics = camera_rate = frames = 0.0
-    for _ in range(rounds):
+    # Each ratio is measured in short blocks, the subject and its reference back to back, so that whatever else the
+    # machine does in a block hits both sides of that block's ratio alike; the median over blocks is reported, with
+    # its spread (the 25th-75th percentiles).
+    blocks, steps = (20, 60) if args.quick else (40, 150)
+    state_rates, physics_rates, camera_rates, frame_rates, ratio_state, ratio_camera = ([] for _ in range(6))
+    for _ in range(blocks):
         rate, start, ctrls = env_rate(args.task, steps, (), args.size)
-        state_rate, physics = max(state_rate, rate), max(physics, physics_rate(args.task, start, ctrls))
-        camera_rate = max(camera_rate, env_rate(args.task, steps, cams, args.size)[0])
-        frames = max(frames, render_rate(args.task, args.size, 2 * steps))
+        physics = physics_rate(args.task, start, ctrls)
+        state_rates.append(rate), physics_rates.append(physics), ratio_state.append(rate / physics)
+        camera = env_rate(args.task, steps, cams, args.size)[0]
+        frames = render_rate(args.task, args.size, 2 * steps)
+        physics = physics_rate(args.task, start, ctrls)
+        camera_rates.append(camera), frame_rates.append(frames)
+        ratio_camera.append(camera / (1.0 / (1.0 / physics + 2.0 / frames)))
+    state_rate, physics, camera_rate, frames = map(np.median, (state_rates, physics_rates, camera_rates, frame_rates))
     combined_limit = 1.0 / (1.0 / physics + 2.0 / frames)
     num_envs = args.workers * args.envs_per_worker
-    vec_steps = max(steps // num_envs, 40) * 2
+    vec_steps = max(250 // num_envs, 40) * (2 if args.quick else 6)
     vec = vector_rate(args.task, num_envs, args.workers, vec_steps, args.size, cams)
     vec_state = vector_rate(args.task, num_envs, args.workers, vec_steps, args.size, ())
 
@@ -139,8 +144,11 @@ def main() -> None:
         "physics_limit_steps_per_s": round(physics, 1),
         "render_limit_steps_per_s": round(frames / 2, 1),
         "combined_limit_steps_per_s": round(combined_limit, 1),
-        "ratio_state": round(state_rate / physics, 3),
-        "ratio_camera": round(camera_rate / combined_limit, 3),
+        "blocks": blocks,
+        "ratio_state": round(float(np.median(ratio_state)), 3),
+        "ratio_state_iqr": [round(float(q), 3) for q in np.percentile(ratio_state, [25, 75])],
+        "ratio_camera": round(float(np.median(ratio_camera)), 3),
+        "ratio_camera_iqr": [round(float(q), 3) for q in np.percentile(ratio_camera, [25, 75])],
     }
     print(json.dumps(result))
 

@@ -56,6 +56,7 @@ import yaml
 
 from kinema.common import load_run_config
 from kinema.train.config import TrainConfig
+from kinema.train.evaluate import paired_outcome_differences
 from kinema.train.workflow import train
 from policies.checkpoint import set_aside
 
@@ -311,6 +312,9 @@ def main() -> None:
 
     # 2. The table, from the runs' metrics.
     rows: dict[str, dict[str, list]] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
+    # Per arm, per-seed outcome differences (training templates) against SFT and against the control, pooled over
+    # tasks and seeds: every arm of a task and seed is evaluated on the same seeds with seeded sampling noise.
+    paired: dict[str, dict[str, list[np.ndarray]]] = {m: {"sft": [], "sft_continued": []} for m in methods}
     per_task: dict[str, dict[str, list]] = {}  # task -> method -> [train success] over seeds
     run_minutes: dict[str, float] = {}  # task -> the wall minutes its runs took, summed
     cpu_minutes: dict[str, dict[str, float]] = {}  # task -> arm -> CPU minutes per run, mean over seeds
@@ -330,10 +334,14 @@ def main() -> None:
             sft = final_eval(starts[task, seed], "final" if args.start else "sft")
             _add(rows["sft"], sft, sft)
             _add_task(per_task, task, "sft", sft)
+            finals = {m: final_eval(out / f"{task}-s{seed}" / m, "final") for m in methods}
             for method in methods:
                 run = out / f"{task}-s{seed}" / method
-                final = final_eval(run, "final")
+                final = finals[method]
                 _add(rows[method], final, sft)
+                paired[method]["sft"].append(paired_outcome_differences(sft, final, "train"))
+                if "sft_continued" in finals and method != "sft_continued":
+                    paired[method]["sft_continued"].append(paired_outcome_differences(finals["sft_continued"], final, "train"))
                 takeovers = [r["rollout/takeover_rate"] for r in _records(run) if r.get("kind") == "round" and r.get("rollout/takeover_rate") is not None]
                 if "--rl.interventions" in METHODS[method] and len(takeovers) >= 2:
                     rows[method].setdefault("takeover", []).append((takeovers[0], takeovers[-1]))
@@ -350,6 +358,11 @@ def main() -> None:
             "steps_to_success": _mean([s for s in r["steps"] if s is not None]),
             "gain_over_sft": None if method == "sft" else _mean(r["gain"]),
         }
+        for against in ("sft", "sft_continued"):  # paired by evaluation seed: mean difference, its s.e., n
+            diffs = np.concatenate(paired.get(method, {}).get(against) or [np.zeros(0)])
+            if len(diffs) > 1:
+                entry[f"paired_vs_{against}"] = {"diff": round(float(diffs.mean()), 4), "n": len(diffs),
+                                                 "se": round(float(diffs.std(ddof=1) / math.sqrt(len(diffs))), 4)}
         if r.get("takeover"):  # the simulated human: takeovers per rollout in the first and the last round
             first, last = (float(np.mean(v)) for v in zip(*r["takeover"]))
             entry.update(takeover_rate_first_round=round(first, 3), takeover_rate_last_round=round(last, 3),

@@ -23,6 +23,7 @@ import yaml
 from draccus.utils import DecodingError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from diffusion_rl.data import Episode
 from diffusion_rl.data.lerobot_v3 import read_episodes, write_episodes
@@ -171,15 +172,27 @@ def interrupt_note(console: Console, stage: str, root: Path):
         raise
 
 
-def progress_bar(console: Console | None = None) -> Progress:
+class RemainingColumn(TimeRemainingColumn):
+    """Time left: a task's own `eta` text where it sets one (an estimate rich cannot make from its rate), else rich's."""
+
+    def render(self, task):  # noqa: ANN001, ANN201 (rich's signature)
+        if task.fields.get("eta"):
+            return Text(task.fields["eta"], style="progress.remaining")
+        return super().render(task)
+
+
+def progress_bar(console: Console | None = None, *, transient: bool = False) -> Progress:
+    """Bars with a description, count, elapsed and remaining time, and a status text (`status=` when adding a task);
+    `transient` ones vanish when they stop."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        TimeRemainingColumn(),
+        RemainingColumn(),
         TextColumn("{task.fields[status]}"),
         console=console,
+        transient=transient,
     )
 
 

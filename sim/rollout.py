@@ -131,7 +131,9 @@ def collect(
     """Run `policy` in `vector` until one episode per seed has finished; return them in completion order.
 
     A policy with `episode_finished(episode)` is told each returned episode's start-order number (the `episode` that
-    `chunk_taken` was told), in the order of the returned list.
+    `chunk_taken` was told), in the order of the returned list. A policy with `about_to_act(seeds, steps)` is told,
+    before each call, every env's episode seed and step (None for an idle env): what a sampler needs to draw its
+    noise per episode, the same whatever the batch or the process layout.
     """
     pending = list(seeds)
     episodes: list[Episode] = []
@@ -141,6 +143,7 @@ def collect(
     reset_fn = getattr(policy, "reset", None)
     chunk_taken = getattr(policy, "chunk_taken", None)
     episode_finished = getattr(policy, "episode_finished", None)
+    about_to_act = getattr(policy, "about_to_act", None)
     started = [0]
     obs: dict[str, Any] = {}
 
@@ -163,6 +166,9 @@ def collect(
     while any(b is not None for b in buffers):
         active = np.array([b is not None for b in buffers])
         if any(active[i] and not queues[i] for i in range(n)):
+            if about_to_act is not None:
+                about_to_act([b.seed if b is not None else None for b in buffers],
+                             [len(b.actions) if b is not None else None for b in buffers])  # fmt: skip
             out = np.asarray(policy(obs), np.float32)
             if out.ndim not in (2, 3) or out.shape[0] != n or out.shape[-1] != 7:
                 raise ValueError(f"policy must return (B, 7) or (B, H, 7) with B={n}; got shape {out.shape}")

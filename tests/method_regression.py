@@ -42,7 +42,7 @@ RUNS: dict[str, list[str]] = {
 # The options as they were named before the methods had their own groups (the reference was recorded with these).
 LEGACY = {"--rl.awr.critic_steps": "--rl.habc.critic_steps", "--rl.ppo.group_size": "--rl.group_size",
           "--rl.ppo.advantage": "--rl.ppo_advantage", "--rl.ppo.critic_steps": "--rl.habc.critic_steps"}  # fmt: skip
-NOT_NUMBERS = {"time", "cpu_s"}
+NOT_NUMBERS = {"time", "cpu_s", "run/seconds_left_estimate"}
 
 
 def fingerprint(tensors: dict[str, torch.Tensor]) -> float:

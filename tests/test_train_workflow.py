@@ -42,9 +42,19 @@ def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
         "--rl.habc.intervention_reweighting", "true", "--rl.habc.intervention_reweighting_after", "1",
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
-    for name in ("config.yaml", "metrics.jsonl", "curves.png", "report.md", "state.json"):
+    for name in ("config.yaml", "metrics.jsonl", "curves.png", "diagnostics.png", "report.md", "state.json"):
         assert (run / name).is_file(), name
-    assert sorted(p.name for p in (run / "videos").iterdir()) == ["after-0.mp4", "before-0.mp4"]
+    # What the person saw: where the run goes and what it will do, a lasting line per round, the table at the end.
+    for text in ("run folder", str(run), "plan", "estimate", "round 1/1 · rollouts", "kinema train: results"):
+        assert text in first.stderr, text
+    # One before/after grid on the same seeds: MP4s, contact sheets, and what each tile showed.
+    assert sorted(p.name for p in (run / "videos").iterdir()) == [
+        "after.json", "after.mp4", "after.png", "before.json", "before.mp4", "before.png", "before_after.mp4",
+        "before_after.png",
+    ]  # fmt: skip
+    before, after = (json.loads((run / "videos" / f"{k}.json").read_text()) for k in ("before", "after"))
+    assert [e["seed"] for e in before] == [e["seed"] for e in after] and len(before) == 1
+    assert before[0]["instruction"] == after[0]["instruction"] and before[0]["instruction"]
     state = json.loads((run / "state.json").read_text())
     assert state["round"] == 1 and state["latest_checkpoint"] == "checkpoints/round-001"
     rollouts = read_episodes(run / "rollouts" / "round-001")
@@ -55,7 +65,17 @@ def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
     round_record = next(r for r in records if r["kind"] == "round")
     assert {"habc/p_v_mean", "success_model/brier", "rollout/takeover_rate", "actor/loss"} <= set(round_record)
     report = (run / "report.md").read_text()
-    assert "| train |" in report and "heldout instructions" in report
+    assert "| training templates | 0 ± 0 % (n=3) |" in report or "| training templates |" in report
+    for text in ("held-out paraphrases", "held-out colours", "gain (points, paired)", "Evaluation seeds: 1000000–1000002",
+                 "minutes of wall time", "videos/before_after.png", "diagnostics.png"):  # fmt: skip
+        assert text in report, text
+    # curves.png draws points where evaluations were made: held-out splits at SFT and at the end only.
+    from kinema.train.report import evaluation_series
+
+    series = evaluation_series(records)
+    assert set(series) == {("train", "sft"), ("train", "round"), ("train", "final"), ("heldout_instructions", "sft"),
+                           ("heldout_instructions", "final"), ("heldout_objects", "sft"), ("heldout_objects", "final")}
+    assert [n for *_, n in series[("train", "round")]] == [2] and [n for *_, n in series[("train", "final")]] == [3]
     cpu = [r["cpu_s"] for r in records]  # the run's spend so far, non-decreasing, and stated in the report
     assert cpu == sorted(cpu) and cpu[-1] > 0 and f"Compute: {cpu[-1] / 60:.1f} CPU-minutes" in report
 
@@ -290,7 +310,7 @@ def test_curves_of_an_sft_only_run_say_there_were_no_rounds(tmp_path: Path):
 
     from kinema.train.report import write_curves
 
-    sft_eval = {"kind": "eval", "stage": "sft", "env_steps": 0, "train/success": 0.3, "train/success_se": 0.05}
+    sft_eval = {"kind": "eval", "stage": "sft", "env_steps": 0, "train/success": 0.3, "train/success_se": 0.05, "train/episodes": 100}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib warns when a legend has nothing to show
         path = write_curves([sft_eval], tmp_path / "curves.png")

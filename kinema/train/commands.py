@@ -71,11 +71,11 @@ def eval_command(args: argparse.Namespace) -> int:
     (out / "report.md").write_text("\n".join(lines) + "\n")
     if args.videos:
         from kinema.train.config import TrainConfig
-        from kinema.train.report import record_videos
+        from kinema.train.report import record_video_grid
 
         cfg = TrainConfig(task=args.task, task_config=task_config or {})
         cfg.eval.videos = args.videos
         cfg.policy.image_size = policy.config.image_size
-        record_videos(policy, cfg, out / "videos", "eval")
+        record_video_grid(policy, cfg, out / "videos", "eval")
     console.print(f"report: {out / 'report.md'}")
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,9 @@ EVAL_SEED_OFFSET = 1_000_000  # evaluation seeds never overlap training/demo see
 class ChunkPolicy:
     """Adapts a VLA (or anything with `predict_action_chunk`) to sim.rollout's batched policy interface.
 
-    With `sde_noise`, chunks are sampled with Flow-SDE steps and every chunk an env executes is recorded with its
+    ODE chunks start from noise drawn per (episode seed, step) when `collect` says which episode each env runs
+    (`about_to_act`): an episode then plays out the same in any batch, in worker processes or not, so evaluations
+    of two checkpoints on the same seeds are paired. With `sde_noise`, chunks are sampled with Flow-SDE steps and every chunk an env executes is recorded with its
     observation and per-step log-probs: `chunk_records()`, what the Flow-SDE PPO/GRPO baseline needs.
     """
 
@@ -30,6 +32,21 @@ class ChunkPolicy:
         self.records: dict[tuple[int, int], dict[str, Any]] = {}  # by (episode start-order number, step)
         self.finished: list[int] = []  # start-order numbers, in the order `collect` returns the episodes
         self._last: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
+        self._episodes: tuple[list[int | None], list[int | None]] | None = None  # per env: (seed, step)
+
+    def about_to_act(self, seeds: list[int | None], steps: list[int | None]) -> None:
+        self._episodes = (seeds, steps)
+
+    def _episode_noise(self, batch_size: int) -> torch.Tensor | None:
+        """(B, chunk, action_dim) standard normal noise, each env's drawn from its own (episode seed, step)."""
+        if self._episodes is None or len(self._episodes[0]) != batch_size:
+            return None
+        shape = (self.policy.config.chunk_size, self.policy.config.action_dim)
+        rows = []
+        for seed, step in zip(*self._episodes):
+            key = np.random.SeedSequence([int(seed), int(step)]).generate_state(1)[0] if seed is not None else 0
+            rows.append(torch.randn(shape, generator=torch.Generator().manual_seed(int(key))))
+        return torch.stack(rows).to(self.policy.device)
 
     @torch.no_grad()
     def __call__(self, obs: dict[str, Any]) -> np.ndarray:
@@ -37,7 +54,7 @@ class ChunkPolicy:
         self.policy.eval()
         batch = {k: (torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v) for k, v in obs.items()}
         if self.sde_noise is None:
-            chunk = self.policy.predict_action_chunk(batch)
+            chunk = self.policy.predict_action_chunk(batch, noise=self._episode_noise(len(batch["task"])))
         else:
             chunk, record = self.policy.sample_chunk_sde(batch, noise_level=self.sde_noise)
             self._last = ({k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in batch.items()}, record)
@@ -69,15 +86,39 @@ class EvalResult:
     success_se: float
     steps_to_success: float | None
     takeover_rate: float | None
+    seeds: list[int] = field(default_factory=list)  # the episodes' seeds, ascending
+    outcomes: list[int] = field(default_factory=list)  # 1 success, 0 failure, aligned with `seeds`
 
-    def as_dict(self, prefix: str = "") -> dict[str, float | None]:
+    def as_dict(self, prefix: str = "") -> dict[str, Any]:
         return {
             f"{prefix}success": self.success,
             f"{prefix}success_se": self.success_se,
             f"{prefix}steps_to_success": self.steps_to_success,
             f"{prefix}takeover_rate": self.takeover_rate,
             f"{prefix}episodes": self.episodes,
+            f"{prefix}seeds": self.seeds,
+            f"{prefix}outcomes": self.outcomes,
         }
+
+
+def paired_outcome_differences(a: dict[str, Any], b: dict[str, Any], split: str) -> np.ndarray:
+    """b's outcome − a's on each seed both evaluations of `split` ran (records as `EvalResult.as_dict` writes them;
+    empty when they share none, or when either predates per-seed outcomes)."""
+    if f"{split}/outcomes" not in a or f"{split}/outcomes" not in b:
+        return np.zeros(0)
+    first = dict(zip(a[f"{split}/seeds"], a[f"{split}/outcomes"]))
+    second = dict(zip(b[f"{split}/seeds"], b[f"{split}/outcomes"]))
+    return np.array([second[s] - first[s] for s in sorted(first.keys() & second.keys())], float)
+
+
+def paired_difference(a: dict[str, Any], b: dict[str, Any], split: str) -> tuple[float, float, int] | None:
+    """b − a in success, paired by seed: the mean difference, its standard error and the number of seeds paired.
+    None when the evaluations share no seed."""
+    d = paired_outcome_differences(a, b, split)
+    if not len(d):
+        return None
+    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
+    return float(d.mean()), se, len(d)
 
 
 def summarize(episodes: Sequence[Episode], split: str = "train") -> EvalResult:
@@ -87,6 +128,7 @@ def summarize(episodes: Sequence[Episode], split: str = "train") -> EvalResult:
     steps = [ep.steps_to_success for ep in episodes if ep.outcome and ep.steps_to_success]
     takeovers = [sum(1 for _, _, who in ep.segments() if who == ExecutedBy.HUMAN) for ep in episodes]
     any_policy = any((ep.executed_by == ExecutedBy.POLICY).any() for ep in episodes)
+    by_seed = sorted(episodes, key=lambda ep: (ep.seed is None, ep.seed or 0))
     return EvalResult(
         split=split,
         episodes=n,
@@ -94,9 +136,13 @@ def summarize(episodes: Sequence[Episode], split: str = "train") -> EvalResult:
         success_se=math.sqrt(p * (1 - p) / n) if n else float("nan"),
         steps_to_success=float(np.mean(steps)) if steps else None,
         takeover_rate=float(np.mean(takeovers)) if any_policy and any(takeovers) else (0.0 if any_policy else None),
+        seeds=[int(ep.seed) for ep in by_seed if ep.seed is not None],
+        outcomes=[int(bool(ep.outcome)) for ep in by_seed if ep.seed is not None],
     )
 
 
+# What each split is called where a person reads it.
+SPLIT_NAMES = {"train": "training templates", "heldout_instructions": "held-out paraphrases", "heldout_objects": "held-out colours"}
 # Evaluation splits: which instruction templates and object combinations the held-out seeds use.
 SPLITS = {
     "train": dict(instructions="train", objects="train"),

@@ -1,7 +1,8 @@
-"""What a person looks at after `kinema train`: curves.png, rollout MP4s, report.md."""
+"""What a person looks at after `kinema train`: curves.png, diagnostics.png, before/after video grids, report.md."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,88 +10,224 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 import numpy as np
 
+import cv2
+
 from diffusion_rl.data import ExecutedBy
-from kinema.media import write_mp4
-from kinema.train.evaluate import EVAL_SEED_OFFSET, ChunkPolicy
+from kinema.media import read_mp4, write_mp4
+from kinema.train.evaluate import EVAL_SEED_OFFSET, SPLIT_NAMES, ChunkPolicy, paired_difference
 from policies.checkpoint import atomic_file, write_text_atomic
 from sim.env import CONTROL_HZ
 from sim.monitor import MonitorConfig, SimulatedHuman
 from sim.tasks import make
 
-SPLITS = ("train", "heldout_instructions", "heldout_objects")
+SPLITS = tuple(SPLIT_NAMES)
 
 
-def record_videos(policy: Any, cfg: Any, folder: Path, label: str) -> list[Path]:
-    """`cfg.eval.videos` evaluation episodes as MP4: the overview camera beside the policy's two cameras."""
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
+VIDEO_SEED_OFFSET = EVAL_SEED_OFFSET + 500_000  # the episodes of the before/after videos: the same seeds both times
+TILE = (180, 240)  # height, width of one episode in a grid video
+COLUMNS = 4
+SUCCESS, FAILURE, RUNNING = (40, 200, 40), (220, 50, 40), (120, 120, 120)
+
+
+def record_video_grid(policy: Any, cfg: Any, folder: Path, label: str) -> list[Path]:
+    """`cfg.eval.videos` episodes on fixed seeds (the same for "before" and "after"), as one grid MP4 and a PNG of
+    each episode's last frame: every tile shows its instruction, and its border turns green on success or red on
+    failure. Also `label.json`: the seeds, instructions and outcomes."""
+    n = cfg.eval.videos
+    if n < 1:
+        return []
     runner = ChunkPolicy(policy)
-    for i in range(cfg.eval.videos):
+    episodes = []
+    for i in range(n):
+        seed = VIDEO_SEED_OFFSET + i
         env = make(cfg.task, cfg.task_config or None, image_size=cfg.policy.image_size)
         actor = SimulatedHuman(env, MonitorConfig()) if cfg.rl.interventions else env
-        obs, _ = actor.reset(seed=EVAL_SEED_OFFSET + 500_000 + i)
-        frames, queue = [], []
-        for _ in range(env.config.horizon):
+        obs, _ = actor.reset(seed=seed)
+        frames, queue, success, step = [], [], False, 0
+        for step in range(env.config.horizon):
             if not queue:
                 batch = {k: (v[None] if isinstance(v, np.ndarray) else [v]) for k, v in obs.items()}
+                runner.about_to_act([seed], [step])
                 queue = list(runner(batch)[0])
             obs, _, terminated, truncated, info = actor.step(queue.pop(0))
             if info.get("executed_by") == ExecutedBy.HUMAN:
                 queue = []
-            side = np.concatenate([obs["observation.images.agentview"], obs["observation.images.wrist"]], axis=0)
-            overview = env.render()
-            side = np.pad(side, ((0, max(0, overview.shape[0] - side.shape[0])), (0, 0), (0, 0)))[: overview.shape[0]]
-            frame = np.concatenate([overview, side], axis=1)
-            if info["is_success"]:
-                frame[:6] = (40, 200, 40)
-            frames.append(frame)
+            success = bool(info["is_success"])
+            frames.append(_tile(env.render(), obs["task"], human=info.get("executed_by") == ExecutedBy.HUMAN))
             if terminated or truncated:
                 break
         env.close()
-        paths.append(write_mp4(folder / f"{label}-{i}.mp4", np.stack(frames), CONTROL_HZ))
-    return paths
+        episodes.append({"seed": seed, "instruction": obs["task"], "success": success, "steps": step + 1, "frames": frames})
+    length = max(len(ep["frames"]) for ep in episodes)
+    grid = []
+    for t in range(length):
+        tiles = []
+        for ep in episodes:
+            done = t >= len(ep["frames"]) - 1
+            colour = (SUCCESS if ep["success"] else FAILURE) if done else RUNNING
+            tiles.append(_border(ep["frames"][min(t, len(ep["frames"]) - 1)], colour))
+        grid.append(_grid(tiles))
+    folder.mkdir(parents=True, exist_ok=True)
+    video = write_mp4(folder / f"{label}.mp4", np.stack(grid), CONTROL_HZ)
+    sheet = _write_png(folder / f"{label}.png", grid[-1])
+    summary = [{k: v for k, v in ep.items() if k != "frames"} for ep in episodes]
+    write_text_atomic(folder / f"{label}.json", json.dumps(summary, indent=2))
+    return [video, sheet]
+
+
+def write_before_after(folder: Path) -> Path | None:
+    """`before_after.mp4` and `.png`: the before grid above the after grid (same seeds), where both exist."""
+    if not ((folder / "before.mp4").is_file() and (folder / "after.mp4").is_file()):
+        return None
+    before, after = read_mp4(folder / "before.mp4"), read_mp4(folder / "after.mp4")
+    length = max(len(before), len(after))
+    before, after = (np.concatenate([v, np.repeat(v[-1:], length - len(v), axis=0)]) for v in (before, after))
+    width = max(before.shape[2], after.shape[2])
+    frames = np.concatenate([_caption(before, "before RL", width), _caption(after, "after RL", width)], axis=1)
+    _write_png(folder / "before_after.png", frames[-1])
+    return write_mp4(folder / "before_after.mp4", frames, CONTROL_HZ)
+
+
+def _tile(frame: np.ndarray, instruction: str, *, human: bool) -> np.ndarray:
+    tile = cv2.resize(frame, (TILE[1], TILE[0]), interpolation=cv2.INTER_AREA)
+    tile[-22:] = (tile[-22:] * 0.35).astype(np.uint8)  # a dark band under the text
+    cv2.putText(tile, instruction[:40], (4, TILE[0] - 7), cv2.FONT_HERSHEY_SIMPLEX, 0.38, (255, 255, 255), 1, cv2.LINE_AA)
+    if human:
+        cv2.putText(tile, "human", (4, 14), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (255, 80, 80), 1, cv2.LINE_AA)
+    return tile
+
+
+def _border(tile: np.ndarray, colour: tuple[int, int, int], width: int = 4) -> np.ndarray:
+    return cv2.copyMakeBorder(tile, width, width, width, width, cv2.BORDER_CONSTANT, value=colour)
+
+
+def _grid(tiles: list[np.ndarray]) -> np.ndarray:
+    rows = []
+    blank = np.zeros_like(tiles[0])
+    for start in range(0, len(tiles), COLUMNS):
+        row = tiles[start : start + COLUMNS]
+        if len(tiles) > COLUMNS:
+            row = row + [blank] * (COLUMNS - len(row))
+        rows.append(np.concatenate(row, axis=1))
+    return np.concatenate(rows, axis=0)
+
+
+def _caption(frames: np.ndarray, text: str, width: int) -> np.ndarray:
+    """A title band above every frame (and padding to `width`)."""
+    t, h, w, _ = frames.shape
+    out = np.zeros((t, h + 26, width, 3), np.uint8)
+    out[:, 26:, :w] = frames
+    band = np.zeros((26, width, 3), np.uint8)
+    cv2.putText(band, text, (6, 19), cv2.FONT_HERSHEY_SIMPLEX, 0.6, (255, 255, 255), 1, cv2.LINE_AA)
+    out[:, :26] = band
+    return out
+
+
+def _write_png(path: Path, image: np.ndarray) -> Path:
+    with atomic_file(path) as tmp:
+        ok, data = cv2.imencode(".png", cv2.cvtColor(image, cv2.COLOR_RGB2BGR))
+        if not ok:
+            raise RuntimeError(f"could not encode {path}")
+        tmp.write_bytes(data.tobytes())
+    return path
+
+
+STAGE_STYLE = {"sft": dict(marker="s", ms=7), "round": dict(marker="o", ms=5), "final": dict(marker="*", ms=11)}
+
+
+def evaluation_series(records: list[dict[str, Any]]) -> dict[tuple[str, str], list[tuple[int, float, float, int]]]:
+    """What the evaluation panel of curves.png draws: per (split, stage) the measured points (env steps, success,
+    its s.e., episodes). Stages: sft, round, final; a split appears only where it was evaluated."""
+    series: dict[tuple[str, str], list[tuple[int, float, float, int]]] = {}
+    for r in records:
+        if r.get("kind") != "eval":
+            continue
+        for split in SPLITS:
+            if f"{split}/success" in r:
+                point = (r["env_steps"], r[f"{split}/success"], r[f"{split}/success_se"], r[f"{split}/episodes"])
+                series.setdefault((split, r["stage"]), []).append(point)
+    return series
 
 
 def write_curves(records: list[dict[str, Any]], path: Path) -> Path:
-    evals = [r for r in records if r.get("kind") == "eval"]
+    """Evaluation success per split (points only where measured: SFT, each round, final; ± s.e.; n in the legend)
+    and rollout success per round (± binomial s.e.), both from 0 to 100 %."""
     rounds = [r for r in records if r.get("kind") == "round"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
-    for split in SPLITS:
-        pts = [(r["env_steps"], r[f"{split}/success"], r[f"{split}/success_se"]) for r in evals if f"{split}/success" in r]
-        if pts:
-            x, y, se = map(np.array, zip(*pts))
-            ax.errorbar(x, 100 * y, yerr=100 * se, marker="o", capsize=3, label=split.replace("_", " "))
+    colours = dict(zip(SPLITS, ("tab:blue", "tab:orange", "tab:green")))
+    for (split, stage), pts in evaluation_series(records).items():
+        x, y, se, n = map(np.array, zip(*pts))
+        sizes = sorted(set(int(v) for v in n))
+        ax.errorbar(x, 100 * y, yerr=100 * se, linestyle="none", capsize=3, color=colours[split], **STAGE_STYLE[stage],
+                    label=f"{SPLIT_NAMES[split]}, {stage} (n={'/'.join(map(str, sizes))})")  # fmt: skip
     ax.set_xlabel("env steps of RL rollouts")
     ax.set_ylabel("success (%)")
-    ax.set_ylim(-2, 102)
+    ax.set_ylim(0, 100)
     ax.set_title("evaluation success (± s.e.)")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     ax = axes[1]
-    pts = [(r["env_steps"], r["rollout/success"]) for r in rounds if "rollout/success" in r]
+    pts = [(r["env_steps"], r["rollout/success"], r.get("rollout/episodes")) for r in rounds if "rollout/success" in r]
     if pts:
-        x, y = zip(*pts)
-        ax.plot(x, 100 * np.array(y), marker="o", label="rollout success")
+        x, y, n = zip(*pts)
+        y = np.array(y)
+        n = np.array([v or 1 for v in n], float)
+        ax.errorbar(x, 100 * y, yerr=100 * np.sqrt(y * (1 - y) / n), marker="o", capsize=3, linestyle="none",
+                    label=f"rollout success (n={int(n.max())} per round)")  # fmt: skip
     pts = [(r["env_steps"], r["rollout/takeover_rate"]) for r in rounds if r.get("rollout/takeover_rate") is not None]
     if pts and any(y for _, y in pts):  # only runs with the simulated human have takeovers to show
         ax2 = ax.twinx()
         x, y = zip(*pts)
-        ax2.plot(x, y, marker="s", color="tab:red", label="takeovers / episode")
+        ax2.plot(x, y, marker="s", linestyle="none", color="tab:red", label="takeovers / episode")
         ax2.set_ylabel("takeovers / episode", color="tab:red")
+        ax2.set_ylim(bottom=0)
     ax.set_xlabel("env steps of RL rollouts")
     ax.set_ylabel("rollout success (%)")
+    ax.set_ylim(0, 100)
     ax.set_title("training rollouts")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="upper left")
-    else:  # an SFT-only run (or one stopped before its first round)
-        ax.text(0.5, 0.5, "no RL rounds in this run", ha="center", va="center", transform=ax.transAxes)
+    else:  # an SFT-only run, a run without rollouts (the control), or one stopped before its first round
+        ax.text(0.5, 0.5, "no RL rollouts in this run", ha="center", va="center", transform=ax.transAxes)
+    return _save(fig, path)
+
+
+DIAGNOSTIC_SKIP = {"round", "env_steps", "time", "cpu_s", "rollout/success", "rollout/episodes", "replay/episodes"}
+
+
+def write_diagnostics(records: list[dict[str, Any]], path: Path) -> Path:
+    """One small panel per numeric diagnostic the rounds logged (losses, critic fits, the success model's Brier and
+    ECE, gate means, takeovers, ...), against the round."""
+    rounds = [r for r in records if r.get("kind") == "round"]
+    keys = sorted({k for r in rounds for k, v in r.items()
+                   if k not in DIAGNOSTIC_SKIP and isinstance(v, (int, float)) and not isinstance(v, bool)})  # fmt: skip
+    cols = 4
+    rows = max(1, -(-len(keys) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        pts = [(r["round"], r[key]) for r in rounds if isinstance(r.get(key), (int, float)) and r.get(key) is not None]
+        x, y = zip(*pts)
+        ax.plot(x, y, marker="o")
+        ax.set_title(key, fontsize=8)
+        ax.set_xlabel("round", fontsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.axis("off")
+    if not keys:
+        axes.flat[0].text(0.5, 0.5, "no RL rounds in this run", ha="center", va="center", transform=axes.flat[0].transAxes)
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     try:
         with atomic_file(path) as tmp:
-            fig.savefig(tmp, dpi=110)
+            fig.savefig(tmp, dpi=110, format="png")
     finally:
         plt.close(fig)
     return path
@@ -99,7 +236,7 @@ def write_curves(records: list[dict[str, Any]], path: Path) -> Path:
 def _fmt(r: dict[str, Any] | None, split: str) -> str:
     if not r or f"{split}/success" not in r:
         return "–"
-    return f"{100 * r[f'{split}/success']:.0f} ± {100 * r[f'{split}/success_se']:.0f}% (n={r[f'{split}/episodes']})"
+    return f"{100 * r[f'{split}/success']:.0f} ± {100 * r[f'{split}/success_se']:.0f} % (n={r[f'{split}/episodes']})"
 
 
 def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
@@ -107,35 +244,49 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
     sft = next((r for r in evals if r["stage"] == "sft"), None)
     final = next((r for r in reversed(evals) if r["stage"] == "final"), None)
     lines = [
-        f"# kinema train: {cfg.task}, method `{cfg.rl.method}`",
+        f"# kinema train: {cfg.task}, method `{cfg.rl.method}`, seed {cfg.seed}",
         "",
-        f"Demonstrations: {cfg.demos.episodes} (noise {cfg.demos.noise}); SFT {cfg.sft.steps} steps; "
+        f"Demonstrations: {cfg.dataset or cfg.demos.episodes} (noise {cfg.demos.noise}); SFT {cfg.sft.steps} steps; "
         f"RL {cfg.rl.rounds} rounds × {cfg.rl.episodes_per_round} rollouts × {cfg.rl.updates_per_round} updates"
         + ("; simulated human in the loop" if cfg.rl.interventions else "")
         + ".",
         "",
-        "| split | SFT | after RL | gain (points) |",
+        "Success on held-out evaluation seeds. The gain is paired: both evaluations ran the same seeds, and each "
+        "episode's sampling noise is drawn from its seed, so the difference and its standard error are per seed.",
+        "",
+        "| split | SFT | after RL | gain (points, paired) |",
         "|---|---|---|---|",
     ]
     for split in SPLITS:
-        if sft and f"{split}/success" in sft:
-            gain = (
-                f"{100 * (final[f'{split}/success'] - sft[f'{split}/success']):+.0f} ± "
-                f"{100 * np.hypot(final[f'{split}/success_se'], sft[f'{split}/success_se']):.0f}"
-                if final and f"{split}/success" in final
-                else "–"
-            )
-            lines.append(f"| {split.replace('_', ' ')} | {_fmt(sft, split)} | {_fmt(final, split)} | {gain} |")
+        if (sft and f"{split}/success" in sft) or (final and f"{split}/success" in final):
+            paired = paired_difference(sft, final, split) if sft and final else None
+            gain = f"{100 * paired[0]:+.0f} ± {100 * paired[1]:.0f} (n={paired[2]})" if paired else "–"
+            lines.append(f"| {SPLIT_NAMES[split]} | {_fmt(sft, split)} | {_fmt(final, split)} | {gain} |")
     if final and final.get("train/steps_to_success") and sft and sft.get("train/steps_to_success"):
         lines += ["", f"Mean steps to success: SFT {sft['train/steps_to_success']:.1f} → {final['train/steps_to_success']:.1f}."]
+    first = next((r for r in evals if r.get("train/seeds")), None)
+    if first:
+        lines += ["", f"Evaluation seeds: {first['train/seeds'][0]}–{first['train/seeds'][-1]} per split at SFT and "
+                      f"at the end ({cfg.eval.episodes} episodes); the evaluations between rounds run the first "
+                      f"{cfg.eval.round_episodes} of them on the training templates."]  # fmt: skip
     if records and records[-1].get("cpu_s") is not None:
+        wall = records[-1]["time"] - records[0]["time"] if len(records) > 1 and "time" in records[0] else None
         lines += ["", f"Compute: {records[-1]['cpu_s'] / 60:.1f} CPU-minutes (the run's process and its env workers; "
-                      "work redone after a resume counts once)."]
+                      "work redone after a resume counts once)"
+                      + (f"; {wall / 60:.1f} minutes of wall time from the first record to the last." if wall else ".")]
+    videos = root / "videos"
     lines += [
         "",
         "![curves](curves.png)",
         "",
-        "Videos: " + ", ".join(f"[{p.name}](videos/{p.name})" for p in sorted((root / "videos").glob("*.mp4"))),
+        "![diagnostics](diagnostics.png)",
+        "",
+    ]
+    if (videos / "before_after.png").is_file():
+        lines += [f"The same {cfg.eval.videos} seeds before and after RL ([video](videos/before_after.mp4); green "
+                  "border: success, red: failure):", "", "![before and after](videos/before_after.png)", ""]  # fmt: skip
+    lines += [
+        "Videos: " + (", ".join(f"[{p.name}](videos/{p.name})" for p in sorted(videos.glob("*.mp4"))) or "none"),
         "",
         "Metrics: `metrics.jsonl` (one JSON object per line); checkpoints in `checkpoints/` "
         "(`policies.load_policy`); rollouts of every round in `rollouts/` (LeRobotDataset v3).",

@@ -37,9 +37,10 @@ from kinema.common import (
 from kinema.train.actor import actor_updates, ema_update
 from kinema.train.buffer import StepBuffer
 from kinema.train.config import TrainConfig
-from kinema.train.evaluate import SPLITS, EvalResult, evaluate
+from kinema.train.evaluate import SPLIT_NAMES, SPLITS, EvalResult, evaluate
 from kinema.train.methods import METHODS, Learner, RLMethod
-from kinema.train.report import record_videos, write_curves, write_report
+from kinema.train.progress import RunPace, RunProgress, planned_work, round_line, start_panel, summary_table
+from kinema.train.report import record_video_grid, write_before_after, write_curves, write_diagnostics, write_report
 from kinema.train.success import RolloutSuccessModel
 from policies import load_policy, make_policy
 from policies.checkpoint import load_checkpoint_config, set_aside, write_text_atomic
@@ -84,19 +85,23 @@ def _set_aside_interrupted_rollouts(rollouts: Path, last_round: int, console: Co
         console.print(f"rollouts of the interrupted {stale.name} kept as {dest}; the round runs again")
 
 
-def evaluate_all(policy: Any, cfg: TrainConfig, episodes: int, *, heldout: bool) -> dict[str, EvalResult]:
+def evaluate_all(
+    policy: Any, cfg: TrainConfig, episodes: int, *, heldout: bool, progress: RunProgress, label: str
+) -> dict[str, EvalResult]:
+    """`episodes` evaluation episodes per split (the training split alone unless `heldout`), each with its bar."""
     splits = list(SPLITS) if heldout else ["train"]
     out = {}
     for split in splits:
         try:
-            out[split], _ = evaluate(
-                policy, cfg.task, episodes=episodes, split=split, num_envs=cfg.num_envs, num_workers=cfg.workers,
-                image_size=cfg.policy.image_size, task_config=cfg.task_config or None, seed=cfg.seed * 10_000,
-            )  # fmt: skip
+            with progress.phase(f"{label}: {SPLIT_NAMES[split]} (episodes)", episodes, kind="eval"):
+                out[split], _ = evaluate(
+                    policy, cfg.task, episodes=episodes, split=split, num_envs=cfg.num_envs, num_workers=cfg.workers,
+                    image_size=cfg.policy.image_size, task_config=cfg.task_config or None, seed=cfg.seed * 10_000,
+                    on_episode=lambda ep: progress.advance(),
+                )  # fmt: skip
         except ValueError as err:  # e.g. a task without held-out object combinations
-            out[split] = None
-            Console(stderr=True).print(f"[yellow]skipping evaluation split {split}: {err}")
-    return {k: v for k, v in out.items() if v is not None}
+            progress.bar.console.print(f"[yellow]skipping evaluation split {split}: {err}")
+    return out
 
 
 def _eval_record(stage: str, results: dict[str, EvalResult], env_steps: int, round_index: int) -> dict[str, Any]:
@@ -124,6 +129,24 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     init_changes = _check_init_policy(cfg, console) if cfg.init_policy and not state.get("latest_checkpoint") else {}
     write_text_atomic(run.root / "config.yaml", dump_config(cfg))
     cameras = CAMERAS
+    latest = state.get("latest_checkpoint")
+    start_round = state["round"] + 1 if latest else 1
+    pace = RunPace(planned_work(cfg, method_class, start_round=start_round, fresh=not latest, final_done=state.get("final_done", False)))
+    console.print(start_panel(cfg, method_class, run.root, latest, pace))
+    bar = progress_bar(console, transient=True)  # what stays on screen is the lines and the table at the end
+    progress = RunProgress(bar, pace)
+    bar.start()
+    try:
+        return _train(cfg, run, state, method_class, init_changes, cameras, rng, progress, console)
+    finally:
+        bar.stop()
+
+
+def _train(
+    cfg: TrainConfig, run: Run, state: dict[str, Any], method_class: type[RLMethod], init_changes: dict[str, Any],
+    cameras: tuple[str, ...], rng: np.random.Generator, progress: RunProgress, console: Console,
+) -> Path:  # fmt: skip
+    latest = state.get("latest_checkpoint")
 
     # 2. Demonstrations ------------------------------------------------------------------------------------------------
     demo_dir = run.root / "demos"
@@ -145,14 +168,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         warn_if_other_task(demos, cfg.task, cfg.dataset, console)
     elif (collected := read_collected(demo_dir, task=cfg.task, seeds=demo_seeds, settings=demo_settings)) is not None:
         demos = collected
+        progress.pace.planned["demo"] = 0  # collected by an earlier start of this run
     else:
-        with progress_bar(console) as bar:
-            job = bar.add_task("demonstrations", total=cfg.demos.episodes, status="")
+        with progress.phase("demonstrations (episodes)", cfg.demos.episodes, kind="demo"):
             demos = collect_demos(
                 cfg.task, cfg.demos.episodes, seeds=demo_seeds,
                 expert=ExpertConfig(noise=cfg.demos.noise, hesitation=cfg.demos.hesitation, wrong_grasp=cfg.demos.wrong_grasp),
                 num_envs=cfg.num_envs, num_workers=cfg.workers, image_size=cfg.policy.image_size,
-                config=cfg.task_config or None, on_episode=lambda ep: bar.update(job, advance=1),
+                config=cfg.task_config or None, on_episode=lambda ep: progress.advance(),
             )  # fmt: skip
         demos = write_collected(demo_dir, demos, settings=demo_settings)
     demo_success = float(np.mean([e.outcome for e in demos])) if demos else 0.0
@@ -167,7 +190,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     policy_config = cfg.policy.config_class()(**cfg.policy.policy_fields(), cameras=cameras, aux_dim=aux_dim, extra={"tasks": [cfg.task]})
     policy = make_policy(cfg.policy.type, policy_config)
     policy.set_normalization(demo_buffer.stats())
-    latest = state.get("latest_checkpoint")
     # `policy` trains; `acting` (its average, or itself when the decay is 0) collects rollouts, is evaluated and saved.
     decay = cfg.policy.ema_decay if method_class.acts_with_average else 0.0
     sft_steps = 0
@@ -200,13 +222,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         _set_aside_interrupted_rollouts(run.root / "rollouts", state["round"], console)
     else:
         start_round = 1
-        sft(learner, sft_steps, aux_weight=cfg.sft.aux_weight if aux_dim else 0.0, console=console)
+        sft(learner, sft_steps, aux_weight=cfg.sft.aux_weight if aux_dim else 0.0, progress=progress, console=console)
         if cfg.eval.baseline:
-            with console.status("evaluating the SFT baseline"):
-                results = evaluate_all(acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout)
+            results = evaluate_all(acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout, progress=progress, label="SFT baseline")
             run.log(_eval_record("sft", results, 0, 0))
             _print_eval(console, "SFT", results)
-            record_videos(acting, cfg, run.root / "videos", "before")
+            record_video_grid(acting, cfg, run.root / "videos", "before")
         state = {"round": 0, "env_steps": 0, "actor_step": 0, "latest_checkpoint": "checkpoints/sft"}
         save_trainer_checkpoint(run, "sft", learner, method, state)
         run.save_state(state)
@@ -220,23 +241,19 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         if (run.root / "rollouts" / f"round-{r:03d}" / "meta" / "info.json").exists()
     ]
     try:
-        with progress_bar(console) as bar:
-            job = bar.add_task(f"RL ({method.name})", total=rounds * cfg.rl.updates_per_round, completed=(start_round - 1) * cfg.rl.updates_per_round, status="")
-            for r in range(start_round, rounds + 1):
-                record: dict[str, Any] = {"kind": "round", "round": r, "method": method.name}
-                bar.update(job, status=f"round {r}: rollouts")
-                rollouts = method.roll_out(r, record)
-                bar.update(job, status=f"round {r}: update")
-                method.update(rollouts, record, progress=lambda n: bar.update(job, advance=n))
-                learner.actor_step += cfg.rl.updates_per_round
-                run.log(record)
-                bar.update(job, status=f"round {r}: evaluating")
-                results = evaluate_all(learner.acting, cfg, cfg.eval.round_episodes, heldout=False)
-                run.log(_eval_record("round", results, learner.env_steps, r))
-                bar.update(job, status=f"round {r}: success {results['train'].success:.0%}")
-                state = {"round": r, "env_steps": learner.env_steps, "actor_step": learner.actor_step, "latest_checkpoint": f"checkpoints/round-{r:03d}"}
-                save_trainer_checkpoint(run, f"round-{r:03d}", learner, method, state)
-                run.save_state(state)
+        for r in range(start_round, rounds + 1):
+            record: dict[str, Any] = {"kind": "round", "round": r, "method": method.name}
+            rollouts = method.roll_out(r, record, progress)
+            method.update(rollouts, record, progress)
+            learner.actor_step += cfg.rl.updates_per_round
+            run.log(record)
+            results = evaluate_all(learner.acting, cfg, cfg.eval.round_episodes, heldout=False, progress=progress, label=f"round {r}: evaluation")
+            # The estimate of the time left, kept so that its honesty can be checked against when the run ended.
+            run.log({**_eval_record("round", results, learner.env_steps, r), "run/seconds_left_estimate": round(progress.pace.seconds_left(), 1)})
+            console.print(round_line(r, rounds, record, results, run.records()[-1].get("cpu_s")))
+            state = {"round": r, "env_steps": learner.env_steps, "actor_step": learner.actor_step, "latest_checkpoint": f"checkpoints/round-{r:03d}"}
+            save_trainer_checkpoint(run, f"round-{r:03d}", learner, method, state)
+            run.save_state(state)
     except KeyboardInterrupt:
         path = save_trainer_checkpoint(run, "interrupted", learner, method, state)
         console.print(f"[yellow]interrupted: the policy so far is in {path}; continue with `kinema train --resume {run.root}`")
@@ -244,28 +261,30 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
 
     # 5. Final evaluation and report ------------------------------------------------------------------------------------
     if rounds and not state.get("final_done"):
-        with console.status("final evaluation"):
-            results = evaluate_all(learner.acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout)
+        results = evaluate_all(learner.acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout, progress=progress, label="final evaluation")
         run.log(_eval_record("final", results, learner.env_steps, rounds))
         _print_eval(console, f"after RL ({method.name})", results)
-        record_videos(learner.acting, cfg, run.root / "videos", "after")
+        record_video_grid(learner.acting, cfg, run.root / "videos", "after")
         learner.acting.save_pretrained(str(run.root / "checkpoints" / "final"))
         state["final_done"] = True
         run.save_state(state)
-    write_curves(run.records(), run.root / "curves.png")
-    write_report(cfg, run.records(), run.root)
+    records = run.records()
+    write_curves(records, run.root / "curves.png")
+    write_diagnostics(records, run.root / "diagnostics.png")
+    write_before_after(run.root / "videos")
+    write_report(cfg, records, run.root)
     run.close()
+    console.print(summary_table(records))
     console.print(f"report: {run.root / 'report.md'}")
     return run.root
 
 
-def sft(learner: Learner, steps: int, *, aux_weight: float, console: Console) -> None:
+def sft(learner: Learner, steps: int, *, aux_weight: float, progress: RunProgress, console: Console) -> None:
     """Supervised flow matching on the demonstrations (a cosine schedule down to rl.lr), the acting average warming
     up alongside; then the optimiser is set to rl.lr for the rounds."""
     cfg, run = learner.cfg, learner.run
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(learner.optimizer, max(steps, 1), eta_min=cfg.rl.lr)
-    with progress_bar(console) as bar, interrupt_note(console, "SFT", run.root):
-        job = bar.add_task("SFT", total=steps, status="")
+    with progress.phase("SFT (steps)", steps, kind="sft"), interrupt_note(console, "SFT", run.root):
         done = [0]
 
         def sft_step() -> None:
@@ -273,7 +292,7 @@ def sft(learner: Learner, steps: int, *, aux_weight: float, console: Console) ->
             done[0] += 1
             if learner.decay:  # warm-up of the average: early weights are noise, do not let them linger
                 ema_update(learner.acting, learner.policy, min(learner.decay, (1 + done[0]) / (10 + done[0])))
-            bar.update(job, advance=1)
+            progress.advance()
 
         stats = actor_updates(
             learner.policy, learner.optimizer, steps=steps, batch_size=cfg.sft.batch_size, demos=learner.demos,
@@ -311,5 +330,5 @@ def _check_init_policy(cfg: TrainConfig, console: Console) -> dict[str, Any]:
 
 
 def _print_eval(console: Console, label: str, results: dict[str, EvalResult]) -> None:
-    parts = [f"{split}: {res.success:.0%} ± {res.success_se:.0%} ({res.episodes} episodes)" for split, res in results.items()]
+    parts = [f"{SPLIT_NAMES[split]} {res.success:.0%} ± {res.success_se:.0%} (n={res.episodes})" for split, res in results.items()]
     console.print(f"[bold]{label}[/bold] success — " + "; ".join(parts))

@@ -47,11 +47,14 @@ class AWR(RLMethod):
         self.optimizer = torch.optim.Adam(self.value.parameters(), lr=self.options.critic_lr)
 
     def update(self, rollouts, record, progress) -> None:
-        per_step, diag = self.fit_and_weigh(rollouts.episodes, rollouts.features)
+        with progress.phase(f"round {rollouts.round}: critic (steps)", self.options.critic_steps, kind="update", units=0):
+            per_step, diag = self.fit_and_weigh(rollouts.episodes, rollouts.features, on_step=progress.advance)
         record.update(diag)
         self.imitate(rollouts, np.concatenate(per_step), record, progress)
 
-    def fit_and_weigh(self, episodes: Sequence[Episode], features: Sequence[Tensor]) -> tuple[list[np.ndarray], dict[str, float]]:
+    def fit_and_weigh(
+        self, episodes: Sequence[Episode], features: Sequence[Tensor], on_step=None
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
         o = self.options
         returns = [(o.gamma ** np.arange(len(ep))[::-1] * float(ep.outcome)).astype(np.float32) for ep in episodes]
         x = torch.cat(list(features))
@@ -61,6 +64,8 @@ class AWR(RLMethod):
             self.optimizer.zero_grad()
             loss.backward()
             self.optimizer.step()
+            if on_step is not None:
+                on_step()
         with torch.no_grad():
             adv = y - self.value(x).squeeze(-1)
             w = exp_advantage_weights(adv, temperature=o.temperature, normalize=True)

@@ -20,6 +20,7 @@ from kinema.common import Run
 from kinema.train.actor import ActorLoss, actor_updates, ema_update, policy_features, split_per_episode
 from kinema.train.buffer import StepBuffer
 from kinema.train.evaluate import ChunkPolicy, summarize
+from kinema.train.progress import RunProgress
 from kinema.train.success import RolloutSuccessModel
 from sim.env import CAMERAS
 from sim.monitor import MonitorConfig
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from kinema.train.config import TrainConfig
 
 ROLLOUT_SEED_OFFSET = 100_000  # rollout seeds: disjoint from demo seeds (0..) and evaluation seeds (1e6..)
-Progress = Callable[[int], None]  # advances the run's progress bar by that many actor updates
 
 
 @dataclass
@@ -77,6 +77,7 @@ class RLMethod:
     options_key: ClassVar[str] = ""  # its options live at rl.<options_key> (none when empty)
     options_class: ClassVar[type | None] = None
     has_rounds: ClassVar[bool] = True  # False: SFT only
+    rolls_out: ClassVar[bool] = True  # False: its rounds train on the demonstrations alone
     acts_with_average: ClassVar[bool] = True  # False: acts with the very weights it updates (on-policy gradients)
     on_policy: ClassVar[bool] = False  # True: learns from the newest round only
 
@@ -100,14 +101,24 @@ class RLMethod:
         """The round's seeds and the runner that acts: distinct seeds, the acting policy's ODE chunks."""
         return list(range(first_seed, first_seed + self.cfg.rl.episodes_per_round)), ChunkPolicy(self.learner.acting)
 
-    def roll_out(self, round_index: int, record: dict[str, Any]) -> Rollouts | None:
+    def roll_out(self, round_index: int, record: dict[str, Any], progress: RunProgress) -> Rollouts | None:
         learner, cfg = self.learner, self.cfg
         seeds, runner = self.rollout_plan(ROLLOUT_SEED_OFFSET + round_index * 1000)
-        new = roll_out_policy(runner, cfg, seeds, round_index)
+        with progress.phase(f"round {round_index}: rollouts (episodes)", len(seeds), kind="rollout"):
+            new = roll_out_policy(runner, cfg, seeds, round_index, on_episode=lambda ep: progress.advance())
+            rollouts = self.digest(round_index, new, record)
+        rollouts.chunks = runner.chunk_records()
+        return rollouts
+
+    def digest(self, round_index: int, new: list[Episode], record: dict[str, Any]) -> Rollouts:
+        """Write a round's rollouts to the run folder, add them to the replay, take the acting policy's features of
+        the replay and refit the success model on the new ones (RLER)."""
+        learner, cfg = self.learner, self.cfg
         write_episodes(learner.run.root / "rollouts" / f"round-{round_index:03d}", new)
         learner.env_steps += sum(len(ep) for ep in new)
         stats = summarize(new)
-        record.update({"rollout/success": stats.success, "rollout/takeover_rate": stats.takeover_rate, "env_steps": learner.env_steps})
+        record.update({"rollout/success": stats.success, "rollout/episodes": stats.episodes,
+                       "rollout/takeover_rate": stats.takeover_rate, "env_steps": learner.env_steps})  # fmt: skip
         learner.replay = (learner.replay + [new])[-self.replay_rounds() :]
         episodes = [ep for round_eps in learner.replay for ep in round_eps]
         record["replay/episodes"] = len(episodes)
@@ -115,14 +126,14 @@ class RLMethod:
         features = split_per_episode(policy_features(learner.acting, buffer), buffer)
         if cfg.rl.success_model:  # RLER: calibration on the fresh rollouts, then a refit
             record.update(learner.success_model.score_and_refit(new, features[-len(new) :], target=cfg.rl.success_target))
-        return Rollouts(round_index, new, episodes, buffer, features, runner.chunk_records())
+        return Rollouts(round_index, new, episodes, buffer, features)
 
-    def update(self, rollouts: Rollouts | None, record: dict[str, Any], progress: Progress) -> None:
+    def update(self, rollouts: Rollouts | None, record: dict[str, Any], progress: RunProgress) -> None:
         """Critics, credit and `cfg.rl.updates_per_round` actor updates; diagnostics go into `record`."""
         raise NotImplementedError
 
     def imitate(
-        self, rollouts: Rollouts | None, weights: np.ndarray | None, record: dict[str, Any], progress: Progress, *,
+        self, rollouts: Rollouts | None, weights: np.ndarray | None, record: dict[str, Any], progress: RunProgress, *,
         loss_fn: ActorLoss | None = None, train_mode: bool = True,
     ) -> None:  # fmt: skip
         """The actor update of the imitation-style methods: flow matching on demonstrations and replay steps drawn ∝
@@ -133,13 +144,15 @@ class RLMethod:
 
         def step() -> None:
             learner.average()
-            progress(1)
+            progress.advance()
 
-        record.update(actor_updates(
-            learner.policy, learner.optimizer, steps=rl.updates_per_round, batch_size=rl.batch_size, demos=learner.demos,
-            replay=rollouts.buffer if rollouts is not None else None, replay_weights=weights, demo_fraction=rl.demo_fraction,
-            aux_weight=0.0, rng=learner.rng, mixing=rl.replay_mixing, loss_fn=loss_fn, train_mode=train_mode, on_step=step,
-        ))  # fmt: skip
+        with progress.phase(f"round {record['round']}: actor (updates)", rl.updates_per_round, kind="update"):
+            record.update(actor_updates(
+                learner.policy, learner.optimizer, steps=rl.updates_per_round, batch_size=rl.batch_size,
+                demos=learner.demos, replay=rollouts.buffer if rollouts is not None else None, replay_weights=weights,
+                demo_fraction=rl.demo_fraction, aux_weight=0.0, rng=learner.rng, mixing=rl.replay_mixing,
+                loss_fn=loss_fn, train_mode=train_mode, on_step=step,
+            ))  # fmt: skip
 
     # -- what a checkpoint keeps of the method (its critics) -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -154,7 +167,10 @@ class RLMethod:
         return {}
 
 
-def roll_out_policy(runner: ChunkPolicy, cfg: TrainConfig, seeds: Sequence[int], round_index: int) -> list[Episode]:
+def roll_out_policy(
+    runner: ChunkPolicy, cfg: TrainConfig, seeds: Sequence[int], round_index: int, *,
+    on_episode: Callable[[Episode], None] | None = None,
+) -> list[Episode]:  # fmt: skip
     """One episode per seed with `runner` acting (with the simulated human when `rl.interventions`)."""
     kwargs: dict[str, Any] = dict(image_size=cfg.policy.image_size, config=cfg.task_config or None)
     if cfg.rl.interventions:
@@ -162,6 +178,6 @@ def roll_out_policy(runner: ChunkPolicy, cfg: TrainConfig, seeds: Sequence[int],
     num_envs = max(1, min(cfg.num_envs, len(seeds)))
     vector = make_vector(cfg.task, num_envs, num_workers=min(cfg.workers, num_envs), **kwargs)
     try:
-        return collect(vector, runner, seeds, task_id=cfg.task, policy_version=f"round-{round_index}")
+        return collect(vector, runner, seeds, task_id=cfg.task, policy_version=f"round-{round_index}", on_episode=on_episode)
     finally:
         vector.close()

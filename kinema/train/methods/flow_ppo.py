@@ -79,21 +79,25 @@ class FlowPPO(RLMethod):
         return seeds, ChunkPolicy(self.learner.acting, sde_noise=self.options.noise_level)
 
     def update(self, rollouts, record, progress) -> None:
-        o, learner = self.options, self.learner
+        o, learner, r = self.options, self.learner, rollouts.round
         if self.value is not None:
-            advantages, diag = gae_chunk_advantages(
-                self.value, self.value_optimizer, rollouts.new, rollouts.features[-len(rollouts.new) :], rollouts.chunks,
-                chunk_steps=learner.acting.config.n_action_steps, lam=o.gae_lambda, critic_steps=o.critic_steps,
-            )  # fmt: skip
+            with progress.phase(f"round {r}: critic (steps)", o.critic_steps, kind="update", units=0):
+                advantages, diag = gae_chunk_advantages(
+                    self.value, self.value_optimizer, rollouts.new, rollouts.features[-len(rollouts.new) :],
+                    rollouts.chunks, chunk_steps=learner.acting.config.n_action_steps, lam=o.gae_lambda,
+                    critic_steps=o.critic_steps,
+                )  # fmt: skip
         else:
             advantages, diag = grpo_chunk_advantages(rollouts.new, rollouts.chunks)
         record.update(diag)
-        record.update(flow_ppo_updates(
-            learner.policy, learner.optimizer, rollouts.chunks, advantages, epochs=o.epochs, batch_size=self.cfg.rl.batch_size,
-            clip_range=o.clip, noise_level=o.noise_level, rng=learner.rng, target_kl=o.target_kl, reference=self.reference,
-            kl_weight=o.kl_weight,
-        ))  # fmt: skip
-        progress(self.cfg.rl.updates_per_round)
+        samples = sum(rec["log_prob"].shape[0] for key, rec in rollouts.chunks.items() if advantages.get(key, 0.0))
+        most = o.epochs * -(-samples // self.cfg.rl.batch_size)  # the trust region may stop the round earlier
+        with progress.phase(f"round {r}: PPO (updates)", most, kind="update", units=self.cfg.rl.updates_per_round):
+            record.update(flow_ppo_updates(
+                learner.policy, learner.optimizer, rollouts.chunks, advantages, epochs=o.epochs,
+                batch_size=self.cfg.rl.batch_size, clip_range=o.clip, noise_level=o.noise_level, rng=learner.rng,
+                target_kl=o.target_kl, reference=self.reference, kl_weight=o.kl_weight, on_step=progress.advance,
+            ))  # fmt: skip
 
     def state_dict(self) -> dict:
         if self.value is None:

@@ -70,12 +70,13 @@ class HABC(RLMethod):
             efficiency_target=o.efficiency_target,
         )  # fmt: skip
         record["habc/intervention_reweighting"] = reweighting
-        per_step, diag = self.fit_and_weigh(rollouts.episodes, rollouts.features, config)
+        with progress.phase(f"round {rollouts.round}: critics (steps)", self.options.critic_steps, kind="update", units=0):
+            per_step, diag = self.fit_and_weigh(rollouts.episodes, rollouts.features, config, on_step=progress.advance)
         record.update(diag)
         self.imitate(rollouts, np.concatenate(per_step), record, progress)
 
     def fit_and_weigh(
-        self, episodes: Sequence[Episode], features: Sequence[Tensor], config: HABCConfig
+        self, episodes: Sequence[Episode], features: Sequence[Tensor], config: HABCConfig, on_step=None
     ) -> tuple[list[np.ndarray], dict[str, float]]:
         """Train the viability and efficiency heads on the replay, then return the per-step actor weights (one array
         per episode) and diagnostics."""
@@ -88,6 +89,8 @@ class HABC(RLMethod):
             result.critic_loss.backward()
             self.optimizer.step()
             soft_update_(self.target, self.critic, tau=0.05)
+            if on_step is not None:
+                on_step()
         with torch.no_grad():
             result = habc_step(self.critic, feats, batch, step=step, config=config)
         weights = result.weights.clamp(min=0).numpy()

@@ -9,8 +9,9 @@ from kinema.train.methods.base import RLMethod
 class ContinuedSFT(RLMethod):
     name = "sft_continued"
     summary = "the control: continued SFT on the demonstrations, on the RL arms' schedule"
+    rolls_out = False
 
-    def roll_out(self, round_index, record):
+    def roll_out(self, round_index, record, progress):
         return None
 
     def update(self, rollouts, record, progress) -> None:
