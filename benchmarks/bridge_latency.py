@@ -16,7 +16,10 @@ other side. In the same run:
    one period, `timer_period_ms`), so it is reported as it is, with its ratio to raw p99;
 4. loss: commands the node published minus commands received, over the timer-triggered 200 Hz run (60 s; 30 s in
    --quick, or 20 s when the run so far leaves no room for 30 s under a minute: see `loss_seconds`);
-5. image: 640x480 rgb8 Image round trip through the echo node (best-effort camera QoS, as cameras use).
+5. image: 640x480 rgb8 Image round trip through the echo node (best-effort camera QoS, as cameras use);
+6. interop (where rclpy is importable, else null): JointState ping-pong RTT at 50 Hz between this process's DDS
+   backend (CycloneDDS) and an echo that is a real ROS 2 node (the rclpy backend on rclpy's default rmw, Fast DDS),
+   pinned to loopback like the rest: the DDS backend talking to ROS 2 as a robot's drivers run it.
 
 Targets: overhead p99 <= 2 ms, 0 commands lost at 200 Hz, image round trip p99 <= 10 ms. Last line: one JSON object.
 """
@@ -50,7 +53,9 @@ def serve(role: str, rate_hz: float, conn, trigger: str = "state") -> None:
     from robot import messages as msg
     from robot.transport import QOS_SENSOR, make_transport
 
-    transport = make_transport("dds", node_name=f"bench_{role}", local=True)
+    # rclpy_echo: the echo as a real ROS 2 node (rclpy, on its default rmw), for the interop measurement.
+    backend = "rclpy" if role == "rclpy_echo" else "dds"
+    transport = make_transport(backend, node_name=f"bench_{role}", local=True)
     stats: dict[str, Any] = {}
     node = None
     # Both roles echo pings: the bridge's process echoes them too, so raw and bridge round trips are measured at
@@ -60,7 +65,7 @@ def serve(role: str, rate_hz: float, conn, trigger: str = "state") -> None:
     if role == "echo":
         image_echo = transport.publisher(IMAGE_ECHO, msg.Image, QOS_SENSOR)
         transport.subscribe(IMAGE, msg.Image, image_echo.publish, QOS_SENSOR)
-    else:
+    elif role == "bridge":
         from robot.policy_node import HOLD_STILL, ConstantPolicy, PolicyNode
 
         node = PolicyNode(transport, bench_robot(rate_hz), ConstantPolicy(HOLD_STILL), "hold still", trigger=trigger,
@@ -156,6 +161,52 @@ def image_rtt(transport, n: int, rate_hz: float) -> tuple[list[float], int]:
     paced(rate_hz, n, send)
     time.sleep(0.3)
     return rtts, len(sent)
+
+
+def ping_rtt(transport, n: int, rate_hz: float) -> tuple[list[float], int]:
+    """JointState pings to the echo in a child process, `n` at `rate_hz` after a warm-up; their round trips and the
+    number never answered."""
+    from robot import messages as msg
+
+    sent: dict[int, float] = {}
+    rtts: list[float] = []
+    warm = 10**6  # warm-up pings carry k >= warm
+    warm_answers: list[int] = []
+
+    def on_pong(m: msg.JointState) -> None:
+        t = time.perf_counter()
+        k = int(round(m.position[0]))
+        if k >= warm:
+            warm_answers.append(k)
+        elif k in sent:
+            rtts.append(t - sent.pop(k))
+
+    sub = transport.subscribe(PONG, msg.JointState, on_pong)
+    pub = transport.publisher(PING, msg.JointState)
+    pokes = iter(range(warm, 2 * warm))
+
+    def send(k: int) -> None:
+        sent[k] = time.perf_counter()
+        pub.publish(msg.JointState(name=["joint1"], position=[float(k)]))
+
+    # Ping until one comes back (matching, both ways), then let the other warm-up answers drain.
+    answered = wait_for(lambda: bool(warm_answers), 30,
+                        poke=lambda: pub.publish(msg.JointState(name=["joint1"], position=[float(next(pokes))])))
+    if answered:
+        time.sleep(0.2)
+        paced(rate_hz, n, send)
+        time.sleep(0.3)
+    sub.close()
+    pub.close()
+    return rtts, (len(sent) if answered else n)
+
+
+def rclpy_importable() -> bool:
+    try:
+        import rclpy  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def bridge_run(transport, rate_hz: float, seconds: float, trigger: str = "state") -> dict[str, Any]:
@@ -257,6 +308,7 @@ def main() -> None:
 
     q = args.quick
     image_n = 100 if q else 300
+    interop_n = 100 if q else 500  # pings at 50 Hz: 2 s or 10 s
     seconds_50, seconds_200 = (5.0, 5.0) if q else (20.0, 20.0)
     budget_s = 60.0  # --quick's promise
     t_start = time.perf_counter()
@@ -274,6 +326,18 @@ def main() -> None:
         elapsed = time.perf_counter() - t_start
         loss_seconds = 60.0 if not q else (30.0 if elapsed + 30.0 + 4.5 <= budget_s else 20.0)
         timer = bridge_run(transport, 200.0, loss_seconds, trigger="timer")
+        # Last, so that it never shortens the loss window; in --quick only when it still fits under a minute
+        # (~2 s of pings, ~2 s to start the rclpy process, 1 s of slack).
+        interop: tuple[list[float], int] | None = None
+        interop_note = None if rclpy_importable() else "rclpy not installed (pip install 'kinema[rclpy]')"
+        if interop_note is None and q and time.perf_counter() - t_start + 5.0 > budget_s:
+            interop_note = "skipped in --quick: no room left under a minute"
+        if interop_note is None:
+            ros_echo = Child("rclpy_echo")
+            try:
+                interop = ping_rtt(transport, interop_n, 50.0)
+            finally:
+                ros_echo.stop()
     finally:
         transport.close()
 
@@ -331,6 +395,13 @@ def main() -> None:
         "image_rtt_p50_ms": pct(images, 50),
         "image_rtt_p99_ms": pct(images, 99),
         "images_lost": image_sent_unanswered,
+        # DDS backend <-> a real ROS 2 node (rclpy on its default rmw; null where rclpy is not installed)
+        "interop_peer": None if interop is None else "rclpy (rmw default: Fast DDS), separate process",
+        "interop_rtt_samples": None if interop is None else len(interop[0]),
+        "interop_rtt_p50_ms": None if interop is None else pct(interop[0], 50),
+        "interop_rtt_p99_ms": None if interop is None else pct(interop[0], 99),
+        "interop_pings_lost": None if interop is None else interop[1],
+        "interop_note": interop_note,
         "targets": {"overhead_p99_ms": 2.0, "commands_lost": 0, "image_rtt_p99_ms": 10.0},
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(),

@@ -6,7 +6,10 @@ same order, so that the conversion is mechanical. Array fields are numpy arrays 
 image payloads are `bytes`, never lists of ints (a list costs ~20 ms per 640x480 frame).
 """
 
+import hashlib
+import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import ClassVar
 
 import numpy as np
@@ -244,3 +247,47 @@ def msg_fields(ros_type: str) -> list[tuple[str, str]]:
     if ros_type not in MSG_DEFINITIONS:
         raise KeyError(f"no .msg definition for {ros_type!r}; known: {', '.join(sorted(MSG_DEFINITIONS))}")
     return [tuple(line.split()[:2]) for line in MSG_DEFINITIONS[ros_type].splitlines() if line.strip()]
+
+
+# ROS 2's type hash (REP 2011, "RIHS01"), which Iron and later put in every endpoint's USER_DATA QoS
+# (`typehash=RIHS01_<hex>;`) and show in `ros2 topic info -v`. It is the SHA-256 of the type description (this type's
+# fields and those of every type it nests, sorted by name) as rosidl serialises it to JSON, default values left out.
+# Field type ids are rosidl's (type_description_interfaces/msg/FieldType); an unbounded sequence adds 144.
+_FIELD_TYPE_IDS = {"int8": 2, "uint8": 3, "int16": 4, "uint16": 5, "int32": 6, "uint32": 7, "int64": 8, "uint64": 9,
+                   "float32": 10, "float64": 11, "char": 13, "bool": 15, "byte": 16, "string": 17, "wstring": 18}
+_NESTED_TYPE, _UNBOUNDED_SEQUENCE = 1, 144
+
+
+def _field_type(ros_type: str, ftype: str) -> dict:
+    sequence = ftype.endswith("[]")
+    base = ftype[:-2] if sequence else ftype
+    if base in _FIELD_TYPE_IDS:
+        type_id, nested = _FIELD_TYPE_IDS[base], ""
+    else:  # `Pkg/Name`, or `Name` for a type of the same package
+        pkg, name = base.split("/") if "/" in base else (ros_type.split("/")[0], base)
+        type_id, nested = _NESTED_TYPE, f"{pkg}/msg/{name}"
+    if sequence:
+        type_id += _UNBOUNDED_SEQUENCE
+    return {"type_id": type_id, "capacity": 0, "string_capacity": 0, "nested_type_name": nested}
+
+
+def _type_description(ros_type: str) -> dict:
+    fields = [{"name": name, "type": _field_type(ros_type, ftype)} for ftype, name in msg_fields(ros_type)]
+    return {"type_name": ros_type, "fields": fields}
+
+
+@lru_cache(maxsize=None)
+def type_hash(ros_type: str) -> str:
+    """`RIHS01_<sha256 hex>`: the type hash ROS 2 (Iron and later) gives `ros_type` (REP 2011)."""
+    referenced: dict[str, dict] = {}
+    todo = [ros_type]
+    while todo:
+        for field_ in _type_description(todo.pop())["fields"]:
+            nested = field_["type"]["nested_type_name"]
+            if nested and nested not in referenced:
+                referenced[nested] = _type_description(nested)
+                todo.append(nested)
+    hashable = {"type_description": _type_description(ros_type),
+                "referenced_type_descriptions": [referenced[name] for name in sorted(referenced)]}
+    text = json.dumps(hashable, separators=(", ", ": "), sort_keys=False)
+    return "RIHS01_" + hashlib.sha256(text.encode()).hexdigest()

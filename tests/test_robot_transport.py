@@ -20,6 +20,7 @@ import pytest
 import robot.messages as m
 from robot.transport import QOS_DEFAULT, QOS_LATCHED, QOS_SENSOR, QoS, make_transport
 from robot.transport.inproc import InprocBus, InprocTransport
+from robot.transport.rclpy_backend import RCLPY_PIP
 
 dds = pytest.importorskip("robot.transport.dds")
 
@@ -196,6 +197,100 @@ def test_dds_names_are_ros2s_and_images_move_as_bytes(pair):
     writer = pub._writer
     seen = writer.get_matched_subscription_data(writer.get_matched_subscriptions()[0])
     assert (seen.topic_name, seen.type_name) == ("rt/arm/joint_states", "sensor_msgs::msg::dds_::JointState_")
+    # ROS 2 (Iron and later) reads each endpoint's type hash from its USER_DATA
+    from cyclonedds.qos import Policy
+
+    assert seen.qos[Policy.Userdata].data == f"typehash={m.type_hash(m.JointState.ros_type)};".encode()
+
+
+# ROS 2's own type hashes (rosidl, Kilted), as rclpy/rmw_fastrtps put them on the wire.
+ROS2_TYPE_HASHES = {
+    "sensor_msgs/msg/JointState": "RIHS01_a13ee3a330e346c9d87b5aa18d24e11690752bd33a0350f11c5882bc9179260e",
+    "std_msgs/msg/Float64MultiArray": "RIHS01_1025ddc6b9552d191f89ef1a8d2f60f3d373e28b283d8891ddcc974e8c55397f",
+    "builtin_interfaces/msg/Time": "RIHS01_b106235e25a4c5ed35098aa0a61a3ee9c9b18d197f398b0e4206cea9acf9c197",
+    "std_msgs/msg/Header": "RIHS01_f49fb3ae2cf070f793645ff749683ac6b06203e41c891e17701b1cb597ce6a01",
+}
+
+
+def test_type_hashes_are_ros2s():
+    for ros_type, expected in ROS2_TYPE_HASHES.items():
+        assert m.type_hash(ros_type) == expected, ros_type
+    # Where ROS 2's message packages are installed, every type against rosidl's own type description files.
+    checked = 0
+    for ros_type in m.MESSAGE_TYPES:
+        pkg, _, name = ros_type.split("/")
+        for prefix in [*filter(None, os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep)), sys.prefix]:
+            described = Path(prefix, "share", pkg, "msg", f"{name}.json")
+            if described.is_file():
+                hashes = json.loads(described.read_text())["type_hashes"]
+                assert m.type_hash(ros_type) == hashes[0]["hash_string"], ros_type
+                checked += 1
+                break
+    assert checked in (0, len(m.MESSAGE_TYPES)), checked
+
+
+def test_domain_config_matches_ros2_nodes_on_names_and_keeps_announcing_on_loopback(monkeypatch):
+    loopback = dds.LOOPBACK_CONFIG.resolve().as_uri()
+    # Cyclone ignores the XTypes type information of Fast DDS (vendor 1.15) endpoints: matching on names, as ROS 2 does.
+    assert "<IgnoreTypeInformation>1.15</IgnoreTypeInformation>" in dds.INTEROP_CONFIG
+    assert dds.domain_config(loopback) == ",".join([dds.INTEROP_CONFIG, loopback, dds.LOOPBACK_DISCOVERY_CONFIG])
+    monkeypatch.setenv("CYCLONEDDS_URI", "file:///robot/lan.xml")
+    # A user's config comes after ours (it may override it), and gets no loopback discovery settings.
+    assert dds.domain_config(None) == f"{dds.INTEROP_CONFIG},file:///robot/lan.xml"
+    assert dds.domain_config("<CycloneDDS/>") == f"{dds.INTEROP_CONFIG},<CycloneDDS/>"
+    monkeypatch.setenv("CYCLONEDDS_URI", loopback)
+    assert dds.domain_config(None).endswith(dds.LOOPBACK_DISCOVERY_CONFIG)
+
+
+def test_a_cyclone_without_the_interop_options_still_runs(monkeypatch, caplog):
+    """Cyclone DDS before 11 rejects the unknown option: the transport runs on its own config and says why ROS 2
+    nodes on Fast DDS will not match (simulated with an option no Cyclone knows)."""
+    unknown = ('<CycloneDDS><Domain Id="any"><Compatibility><NoSuchOption>1</NoSuchOption></Compatibility></Domain>'
+               "</CycloneDDS>")
+    monkeypatch.setattr(dds, "INTEROP_CONFIG", unknown)
+    with dds.DDSTransport(DOMAIN % 101 + 1, "old_cyclone", config="loopback") as t:  # a domain of its own
+        t.publisher("/rt_test/old", m.Bool).publish(m.Bool(True))
+    assert "predates Compatibility/IgnoreTypeInformation" in caplog.text
+
+
+def test_the_node_is_announced_on_ros_discovery_info(pair):
+    """What `ros2 node list` is built from: per participant, its nodes and each node's reader and writer GIDs."""
+    from cyclonedds.sub import DataReader
+    from cyclonedds.topic import Topic
+
+    a, b = pair
+    pub = a.publisher("/rt_test/announced", m.String)
+    sub = a.subscribe("/rt_test/announced_back", m.String, Inbox())
+    graph = Topic(b._participant, dds.GRAPH_TOPIC, dds._ParticipantEntitiesInfo)
+    # Transient local: the latest of each writer at once. Deeper than rmw's keep-last 1, which takes samples as they
+    # come: the topic is keyless, so one slot would hold only the last writer's.
+    reader = DataReader(b._participant, graph, qos=dds.dds_qos(QoS(reliable=True, depth=100, transient_local=True)))
+
+    def gids():
+        """(node namespace, name, reader GIDs, writer GIDs) as `a` last announced them."""
+        latest = None
+        for sample in reader.read(N=100):
+            if bytes(sample.gid.data) == a._participant.guid.bytes:
+                latest = sample
+        if latest is None:
+            return None
+        (node,) = latest.node_entities_info_seq
+        return (node.node_namespace, node.node_name, {bytes(g.data) for g in node.reader_gid_seq},
+                {bytes(g.data) for g in node.writer_gid_seq})
+
+    pub_gid, sub_gid = pub._writer.guid.bytes, sub._reader.guid.bytes
+    try:
+        assert wait_until(lambda: (gids() or ("", "", set(), set()))[3] >= {pub_gid}), gids()
+        namespace, name, readers, writers = gids()
+        assert (namespace, name) == ("/", "test_a")
+        assert pub_gid in writers and sub_gid in readers
+        sub.close()  # a closed endpoint leaves the announcement
+        assert wait_until(lambda: sub_gid not in gids()[2]), gids()
+        assert pub_gid in gids()[3]
+    finally:
+        pub.close()
+        dds._delete(reader)
+        dds._delete(graph)
 
 
 def test_transient_local_late_joiner_gets_the_latched_value(pair):
@@ -326,11 +421,21 @@ def test_loopback_config_is_the_default_and_pins_everything_to_127_0_0_1(monkeyp
     assert root.find(".//c:Internal/c:MaxSampleSize", ns).text == "16MiB"  # the size cap, both directions
 
     loopback_uri = dds.LOOPBACK_CONFIG.resolve().as_uri()
-    assert dds.loopback_environment({"PATH": "/bin", "ROS_STATIC_PEERS": "10.0.0.7"}) == {
+    user = {"PATH": "/bin", "ROS_STATIC_PEERS": "10.0.0.7", "ROS_DISCOVERY_SERVER": "10.0.0.8:11811",
+            "FASTDDS_DEFAULT_PROFILES_FILE": "/etc/lan_peers.xml", "FASTDDS_ENVIRONMENT_FILE": "/etc/fastdds.json"}
+    assert dds.loopback_environment(user) == {
         "PATH": "/bin", "CYCLONEDDS_URI": loopback_uri, "ROS_LOCALHOST_ONLY": "1",
         "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST", "ROS_STATIC_PEERS": "",
+        # Fast DDS (rmw_fastrtps_cpp): no discovery server, no profiles that could name other hosts
+        "ROS_DISCOVERY_SERVER": "", "ROS2_EASY_MODE": "", "SKIP_DEFAULT_XML_FILE": "1",
     }
-    assert dds.loopback_environment({}, rmw=True)["RMW_IMPLEMENTATION"] == "rmw_cyclonedds_cpp"
+    from robot.transport.loopback import rmw_installed
+
+    # rmw_cyclonedds_cpp (so that the loopback XML applies to rclpy too) only where it is installed; elsewhere
+    # rclpy keeps its default rmw, pinned by the discovery range.
+    assert dds.loopback_environment({}, rmw=True).get("RMW_IMPLEMENTATION") == (
+        "rmw_cyclonedds_cpp" if rmw_installed("rmw_cyclonedds_cpp") else None)
+    assert not rmw_installed("rmw_no_such_middleware")
     monkeypatch.delenv("CYCLONEDDS_URI")
     assert dds.resolve_config(None) == loopback_uri  # nothing set: loopback
     monkeypatch.setenv("CYCLONEDDS_URI", "file:///robot/lan.xml")
@@ -415,16 +520,16 @@ t.close()
 """
 
 
-def _run_driver(prefix: list[str], env: dict) -> dict:
-    # Its own process group: on a timeout the driver's echo child is killed with it, not left running.
-    proc = subprocess.Popen(prefix + [sys.executable, "-c", _DRIVER], env=env, cwd=REPO, stdout=subprocess.PIPE,
+def _run_driver(prefix: list[str], env: dict, script: str = _DRIVER, args: tuple = (), timeout: float = 90) -> dict:
+    # Its own process group: on a timeout the driver's child is killed with it, not left running.
+    proc = subprocess.Popen(prefix + [sys.executable, "-c", script, *args], env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=90)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"the DDS driver did not finish within 90 s:\n{err[-3000:]}") from None
+        raise AssertionError(f"the DDS driver did not finish within {timeout:.0f} s:\n{err[-3000:]}") from None
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 
@@ -443,6 +548,10 @@ def test_ping_pong_across_processes_uses_loopback_by_default():
     _check_driver_report(_run_driver([], env))
 
 
+# Runs a command in a private network namespace with only a loopback interface, up.
+NETNS = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "netns"]
+
+
 def _netns_available() -> bool:
     if not (shutil.which("unshare") and shutil.which("ip")):
         return False
@@ -453,7 +562,7 @@ def _netns_available() -> bool:
 def test_ping_pong_across_processes_in_a_private_network_namespace():
     """Inside `unshare -n` only a loopback interface exists: nothing could leave even if a setting were wrong."""
     env = dds.loopback_environment({**os.environ, "PYTHONPATH": str(REPO)})
-    report = _run_driver(["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "netns"], env)
+    report = _run_driver(NETNS, env)
     _check_driver_report(report)
     assert not report["spdp_multicast_joined"], report
 
@@ -471,51 +580,287 @@ def _rclpy_importable() -> bool:
     return True
 
 
-@pytest.mark.skipif(_rclpy_importable(), reason="ROS 2 is installed here")
-def test_rclpy_backend_without_ros_names_the_dds_alternative():
-    with pytest.raises(ImportError, match="'dds' backend"):
+NO_RCLPY_REASON = f"rclpy not installed (no ROS 2 here): pip install 'kinema[rclpy]', i.e. {RCLPY_PIP}"
+
+
+@pytest.fixture
+def without_rclpy(monkeypatch):
+    """This process as if ROS 2 were not installed (`import rclpy` raises ImportError), wherever it is."""
+    monkeypatch.setitem(sys.modules, "rclpy", None)
+
+
+def test_rclpy_backend_without_ros_names_the_dds_alternative(without_rclpy):
+    with pytest.raises(ImportError, match="'dds' backend") as raised:
         make_transport("rclpy", domain_id=DOMAIN)
+    assert RCLPY_PIP in str(raised.value)  # and how to install it
     with make_transport("auto", domain_id=DOMAIN) as auto:
         assert isinstance(auto, dds.DDSTransport)  # auto falls back to DDS
 
 
-@pytest.mark.skipif(not _rclpy_importable(), reason="rclpy not installed (no ROS 2 here)")
+@pytest.mark.skipif(not _rclpy_importable(), reason=NO_RCLPY_REASON)
+def test_auto_is_rclpy_where_rclpy_is_importable():
+    from robot.transport.rclpy_backend import RclpyTransport
+
+    with make_transport("auto", node_name="test_auto", domain_id=DOMAIN) as auto:
+        assert isinstance(auto, RclpyTransport)
+
+
+@pytest.mark.skipif(not _rclpy_importable(), reason=NO_RCLPY_REASON)
 @pytest.mark.parametrize("msg_type", TYPES, ids=lambda t: t.__name__)
 def test_rclpy_round_trips_every_message_type_and_talks_to_dds(msg_type):
+    """The rclpy backend (a real ROS 2 node, on whichever rmw rclpy runs: Fast DDS by default) round-trips every
+    type, and it and the DDS backend understand each other, both ways (the point of the DDS backend)."""
     import rclpy.utilities
 
     ros = make_transport("rclpy", node_name="test_rclpy", domain_id=DOMAIN)
     try:
-        inbox = Inbox()
-        topic = f"/rclpy_test/{msg_type.__name__.lower()}"
-        ros.subscribe(topic, msg_type, inbox)
-        pub = ros.publisher(topic, msg_type)
-        assert wait_until(lambda: pub.subscription_count() >= 1)
-        pub.publish(FULL[msg_type])
-        assert_same(inbox.wait(1)[0], FULL[msg_type])
-        if rclpy.utilities.get_rmw_implementation_identifier() == "rmw_cyclonedds_cpp":
-            # The point of the DDS backend: a real ROS 2 node and it understand each other.
-            with dds.DDSTransport(DOMAIN, "test_dds_peer") as peer:
-                dds_pub = peer.publisher(topic, msg_type)
-                assert wait_until(lambda: dds_pub.subscription_count() >= 1)
-                dds_pub.publish(FULL[msg_type])
-                assert_same(inbox.wait(2)[1], FULL[msg_type])
+        with dds.DDSTransport(DOMAIN, "test_dds_peer") as peer:
+            topic = f"/rclpy_test/{msg_type.__name__.lower()}"
+            inbox, dds_inbox = Inbox(), Inbox()
+            sub = ros.subscribe(topic, msg_type, inbox)
+            pub = ros.publisher(topic, msg_type)
+            dds_sub = peer.subscribe(topic, msg_type, dds_inbox)
+            dds_pub = peer.publisher(topic, msg_type)
+            # Every reader matched with every writer, on both sides (each also matches its own node's endpoint).
+            # Before anything is published: a Cyclone reader matching a Fast DDS writer that already has history
+            # delivers only once a heartbeat tells it where the writer stands, and when Fast DDS's first heartbeat
+            # arrives before Cyclone knows the writer, that is the next one, up to 3 s later (seen here at first
+            # discovery; the cross-process test joins such a writer with a bound on it).
+            assert wait_until(lambda: min(dds_pub.subscription_count(), dds_sub.publisher_count(),
+                                          pub.subscription_count(), sub.publisher_count()) >= 2), (
+                f"{rclpy.utilities.get_rmw_implementation_identifier()} and the DDS backend never matched")
+            pub.publish(FULL[msg_type])
+            dds_pub.publish(FULL[msg_type])
+            for box in (inbox, dds_inbox):  # each: its own node's sample and the other backend's
+                got = box.wait(2)
+                assert len(got) == 2, got
+                for msg in got:
+                    assert_same(msg, FULL[msg_type])
+            assert sub.dropped == 0 and dds_sub.dropped == 0
     finally:
         ros.close()
 
 
-@pytest.mark.skipif(_rclpy_importable(), reason="ROS 2 is installed here: rclpy.init would run")
-def test_local_pins_the_rclpy_path_before_rclpy_is_touched(monkeypatch):
+# Interop with a real ROS 2 node in another process. The ROS side is plain rclpy (its own node, publishers and
+# subscriptions, rosidl's message classes; robot.transport.rclpy_backend only converts values); the kinema side is the
+# DDS backend. Per message type, kinema publishes on /interop/k2r/<type> and the ROS node checks what it got and
+# answers with its own copy on /interop/r2k/<type>, which kinema checks. Also: a 640x480 camera frame both ways
+# (best effort), a 20 Hz JointState stream the ROS node publishes from its start (so kinema matches a writer that
+# already has history), and what ROS 2's graph API shows of the kinema node.
+_INTEROP_PEER = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import rclpy
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+from test_robot_transport import FULL, TYPES, assert_same
+import robot.messages as m
+from robot.transport.rclpy_backend import from_ros, get_message, to_ros
+
+rclpy.init()
+node = rclpy.create_node("interop_ros_peer")
+checked, pubs, keep = {}, {}, []
+
+def on_sample(msg_type):
+    def callback(ros_msg):
+        name = msg_type.__name__
+        try:
+            assert_same(from_ros(ros_msg, msg_type), FULL[msg_type])
+            checked.setdefault(name, "ok")
+        except AssertionError as e:
+            checked[name] = f"mismatch: {e}"
+        pubs[name].publish(to_ros(FULL[msg_type], get_message))
+    return callback
+
+for msg_type in TYPES:
+    cls, name = get_message(msg_type.ros_type), msg_type.__name__
+    pubs[name] = node.create_publisher(cls, f"/interop/r2k/{name.lower()}", 10)
+    keep.append(node.create_subscription(cls, f"/interop/k2r/{name.lower()}", on_sample(msg_type), 10))
+sensor = QoSProfile(depth=5, history=HistoryPolicy.KEEP_LAST, reliability=ReliabilityPolicy.BEST_EFFORT)
+Image, JointState, String = (get_message(t) for t in
+                             ("sensor_msgs/msg/Image", "sensor_msgs/msg/JointState", "std_msgs/msg/String"))
+camera = node.create_publisher(Image, "/interop/r2k/camera", sensor)
+keep.append(node.create_subscription(Image, "/interop/k2r/camera", camera.publish, sensor))
+stream = node.create_publisher(JointState, "/interop/r2k/stream", 10)
+stop = []
+keep.append(node.create_subscription(String, "/interop/stop", lambda msg: stop.append(msg.data), 10))
+print("ready", flush=True)
+deadline, next_state, k = time.monotonic() + 60, time.monotonic(), 0
+while not stop and time.monotonic() < deadline:
+    rclpy.spin_once(node, timeout_sec=0.01)
+    if time.monotonic() >= next_state:
+        stream.publish(to_ros(m.JointState(name=["j0"], position=[float(k)]), get_message))
+        next_state, k = next_state + 0.05, k + 1
+
+def info(endpoints):
+    return [[e.node_name, e.topic_type, str(e.topic_type_hash)] for e in endpoints]
+
+graph = {"nodes": [name for name, _ in node.get_node_names_and_namespaces()]}
+for msg_type in TYPES:
+    name = msg_type.__name__.lower()
+    graph[msg_type.__name__] = {
+        "kinema_writer": info(node.get_publishers_info_by_topic(f"/interop/k2r/{name}")),
+        "kinema_reader": info(node.get_subscriptions_info_by_topic(f"/interop/r2k/{name}")),
+        "ros_writer": info(node.get_publishers_info_by_topic(f"/interop/r2k/{name}")),
+    }
+print(json.dumps({"checked": checked, "stopped": bool(stop), "graph": graph}), flush=True)
+node.destroy_node()
+rclpy.shutdown()
+"""
+
+_INTEROP_DRIVER = r"""
+import json, os, subprocess, sys, time
+tests, peer_script, order = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, tests)
+import numpy as np
+from test_robot_transport import FULL, TYPES, Inbox, assert_same, wait_until
+import robot.messages as m
+from robot.transport import QOS_SENSOR, make_transport
+
+peer_env = dict(os.environ)
+if order == "kinema_first":  # the ROS node on ROS 2's default discovery range (multicast): only in a netns
+    peer_env["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "SUBNET"
+    peer_env.pop("ROS_LOCALHOST_ONLY", None)
+
+def start_peer():
+    peer = subprocess.Popen([sys.executable, "-c", peer_script, tests], env=peer_env, stdout=subprocess.PIPE,
+                            text=True)
+    assert peer.stdout.readline().strip() == "ready", "the rclpy peer did not start"
+    return peer
+
+peer = None if order == "kinema_first" else start_peer()
+t = make_transport("dds", node_name="kinema_interop")
+pubs, inboxes, subs = {}, {}, {}
+for msg_type in TYPES:
+    name = msg_type.__name__
+    inboxes[name] = Inbox()
+    subs[name] = t.subscribe(f"/interop/r2k/{name.lower()}", msg_type, inboxes[name])
+    pubs[name] = t.publisher(f"/interop/k2r/{name.lower()}", msg_type)
+camera_in = Inbox()
+camera_sub = t.subscribe("/interop/r2k/camera", m.Image, camera_in, QOS_SENSOR)
+camera_pub = t.publisher("/interop/k2r/camera", m.Image, QOS_SENSOR)
+stop = t.publisher("/interop/stop", m.String)
+if peer is None:
+    peer = start_peer()
+t_match = time.monotonic()
+endpoints = [p.subscription_count for p in [*pubs.values(), camera_pub, stop]] + [
+    s.publisher_count for s in [*subs.values(), camera_sub]]
+matched = wait_until(lambda: min(f() for f in endpoints) >= 1, 20)
+report = {"matched": matched, "match_s": round(time.monotonic() - t_match, 2)}
+stream_in, stream_first = Inbox(), []
+t_join = time.monotonic()
+
+def on_stream(msg):
+    stream_first.append(time.monotonic() - t_join)
+    stream_in(msg)
+
+t.subscribe("/interop/r2k/stream", m.JointState, on_stream)  # the ROS node has been publishing it all along
+
+# Every type both ways: publish until the ROS node's answer arrives (a reliable sample sent before the other side
+# has matched the writer would be lost, so resend), at most 15 s.
+deadline = time.monotonic() + 15
+while time.monotonic() < deadline and any(not inboxes[msg_type.__name__].items for msg_type in TYPES):
+    for msg_type in TYPES:
+        if not inboxes[msg_type.__name__].items:
+            pubs[msg_type.__name__].publish(FULL[msg_type])
+    time.sleep(0.5)
+answers = {}
+for msg_type in TYPES:
+    got = inboxes[msg_type.__name__].items
+    try:
+        assert got, "no answer"
+        for msg in got:
+            assert_same(msg, FULL[msg_type])
+        answers[msg_type.__name__] = "ok"
+    except AssertionError as e:
+        answers[msg_type.__name__] = str(e)
+report["answers"] = answers
+report["dropped"] = sum(s.dropped for s in subs.values())
+
+frame = np.random.default_rng(3).integers(0, 256, (480, 640, 3), dtype=np.uint8)
+for _ in range(25):  # best effort may lose a frame: that is its contract
+    camera_pub.publish(m.Image.from_array(frame))
+    if camera_in.wait(1, timeout=0.4):
+        break
+report["camera"] = bool(camera_in.items) and np.array_equal(camera_in.items[0].to_array(), frame)
+
+stream_in.wait(1, timeout=10)
+report["stream_first_s"] = round(stream_first[0], 2) if stream_first else -1
+report["stream_received"] = len(stream_in.items)
+
+for _ in range(20):
+    stop.publish(m.String("done"))
+    try:
+        out, _ = peer.communicate(timeout=0.5)
+        break
+    except subprocess.TimeoutExpired:
+        pass
+else:
+    peer.kill()
+    out, _ = peer.communicate()
+report["peer_rc"] = peer.returncode
+report["peer"] = json.loads(out.strip().splitlines()[-1]) if out.strip() else None
+t.close()
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(not _rclpy_importable(), reason=NO_RCLPY_REASON)
+@pytest.mark.parametrize("setting", ["pinned", "netns_ros_default_discovery"])
+def test_dds_backend_and_an_rclpy_node_in_another_process_exchange_every_type(setting):
+    """The DDS backend and a real ROS 2 node (rclpy on its default rmw, Fast DDS) in separate processes: every type
+    both ways, a camera frame both ways, a stream joined late, and the graph ROS 2 shows of the kinema node.
+
+    pinned: on this machine's network stack, both sides pinned to loopback (tests/conftest.py); the ROS node starts
+    first, so kinema's reader matches a writer with history. netns_ros_default_discovery: in a private network
+    namespace (only `lo`), kinema starts first and the ROS node uses ROS 2's default discovery range (multicast),
+    so it finds kinema only through kinema's periodic unicast announcements: the order and setting of the measurement
+    in which no sample got through either way.
+    """
+    if setting == "pinned":
+        prefix, order = [], "ros_first"
+    else:
+        if not _netns_available():
+            pytest.skip("unprivileged network namespaces (unshare -rn) not available")
+        prefix, order = NETNS, "kinema_first"
+    env = dds.loopback_environment({**os.environ, "PYTHONPATH": str(REPO)})
+    report = _run_driver(prefix, env, _INTEROP_DRIVER, (str(REPO / "tests"), _INTEROP_PEER, order), timeout=120)
+
+    assert report["matched"], report
+    assert report["answers"] == {t.__name__: "ok" for t in TYPES}, report["answers"]  # ROS -> kinema, per type
+    assert report["dropped"] == 0
+    peer = report["peer"]
+    assert report["peer_rc"] == 0 and peer and peer["stopped"], report
+    assert peer["checked"] == {t.__name__: "ok" for t in TYPES}, peer["checked"]  # kinema -> ROS, per type
+    assert report["camera"], report  # 640x480 rgb8 there and back, best effort
+    # A Cyclone reader that matches a Fast DDS writer with history delivers once a heartbeat of the writer says
+    # where it stands: at once, or at worst at Fast DDS's next periodic heartbeat (every 3 s).
+    assert 0 <= report["stream_first_s"] <= 5 and report["stream_received"] >= 1, report
+    # What ROS 2 shows of the kinema node: listed by name (ros_discovery_info), and its endpoints carry ROS 2's
+    # type name and type hash (USER_DATA), equal to those of rclpy's own endpoints.
+    assert "kinema_interop" in peer["graph"]["nodes"], peer["graph"]["nodes"]
+    for msg_type in TYPES:
+        seen = peer["graph"][msg_type.__name__]
+        ros_type, ros_hash = seen["ros_writer"][0][1:]
+        assert ros_type == msg_type.ros_type and ros_hash == m.type_hash(msg_type.ros_type), seen
+        for endpoint in ("kinema_writer", "kinema_reader"):
+            assert [e[1:] for e in seen[endpoint]] == [[ros_type, ros_hash]], (endpoint, seen)
+
+
+def test_local_pins_the_rclpy_path_before_rclpy_is_touched(monkeypatch, without_rclpy):
     """`--local` under rclpy: the pinned variables are in the environment before rclpy (and its rmw) load."""
-    for var in ("CYCLONEDDS_URI", "ROS_LOCALHOST_ONLY", "ROS_AUTOMATIC_DISCOVERY_RANGE"):
+    for var in ("CYCLONEDDS_URI", "ROS_LOCALHOST_ONLY", "ROS_AUTOMATIC_DISCOVERY_RANGE", "SKIP_DEFAULT_XML_FILE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("ROS_STATIC_PEERS", "192.168.1.20")
-    with pytest.raises(ImportError, match="'dds' backend"):  # no ROS here: the pinning is what we can observe
+    monkeypatch.setenv("ROS_DISCOVERY_SERVER", "192.168.1.21:11811")
+    monkeypatch.setenv("FASTDDS_DEFAULT_PROFILES_FILE", "/etc/lan_peers.xml")
+    with pytest.raises(ImportError, match="'dds' backend"):  # rclpy hidden: the pinning is what we can observe
         make_transport("rclpy", domain_id=DOMAIN, local=True)
     assert os.environ["CYCLONEDDS_URI"] == dds.LOOPBACK_CONFIG.resolve().as_uri()
     assert os.environ["ROS_LOCALHOST_ONLY"] == "1"
     assert os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] == "LOCALHOST"
     assert os.environ["ROS_STATIC_PEERS"] == ""
+    assert os.environ["ROS_DISCOVERY_SERVER"] == "" and os.environ["SKIP_DEFAULT_XML_FILE"] == "1"
+    assert "FASTDDS_DEFAULT_PROFILES_FILE" not in os.environ
 
 
 def test_local_dds_ignores_a_lan_cyclonedds_uri(monkeypatch, tmp_path):

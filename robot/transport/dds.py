@@ -1,12 +1,16 @@
 """ROS 2 over the DDS wire, with no ROS install: the PyPI `cyclonedds` package speaking what rmw_cyclonedds speaks.
 
-What makes a real ROS 2 node (rmw_cyclonedds_cpp) see our topics and we see its:
+What makes a real ROS 2 node (rmw_fastrtps_cpp, ROS 2's default, or rmw_cyclonedds_cpp) see our topics and we see its:
 - topic `/x` is the DDS topic `rt/x`;
 - type `pkg/msg/T` is the DDS type `pkg::msg::dds_::T_`, with the fields in the upstream `.msg` order and the
   upstream IDL types (int32 sec / uint32 nanosec, sequence<double>, sequence<uint8> for payloads, ...);
 - samples are plain CDR (XCDR1), the representation ROS 2 requests;
-- QoS follows ROS 2's mapping (reliable/best-effort, keep-last depth, volatile/transient-local; 100 ms max blocking);
-- the domain is ROS_DOMAIN_ID (`make_transport` passes it).
+- QoS follows ROS 2's mapping (reliable/best-effort, keep-last depth, volatile/transient-local; 100 ms max blocking),
+  and USER_DATA carries the type hash (`typehash=RIHS01_...;`) as on ROS 2 Iron and later;
+- endpoints match on topic and type *names*, not on XTypes type objects (`INTEROP_CONFIG`: without it, Cyclone never
+  matches Fast DDS's endpoints, see there);
+- the domain is ROS_DOMAIN_ID (`make_transport` passes it);
+- the node is announced on `ros_discovery_info`, so that ROS 2 lists it (`ros2 node list`, `get_node_names()`).
 
 The wire types are derived once, generically, from the `robot.messages` dataclasses (their annotations and field
 order); integer widths, which a Python `int` cannot say, come from the .msg text in `robot.messages`.
@@ -44,7 +48,7 @@ from cyclonedds.topic import Topic
 from cyclonedds.util import duration
 
 import robot.messages as messages
-from robot.messages import msg_fields
+from robot.messages import msg_fields, type_hash
 from robot.transport.base import QOS_DEFAULT, Publisher, QoS, Subscription, Transport, check_topic
 from robot.transport.loopback import LOOPBACK_CONFIG, loopback_environment
 
@@ -285,16 +289,85 @@ def _bytes_fast_path(wire_type: type, byte_fields: list[str]) -> bool:
 _MAX_BLOCKING = duration(milliseconds=100)
 
 
-def dds_qos(qos: QoS) -> Qos:
-    """ROS 2's QoS mapping for `robot.transport.QoS`, plus XCDR1 (plain CDR), which is what ROS 2 nodes use."""
+def dds_qos(qos: QoS, ros_type: str | None = None) -> Qos:
+    """ROS 2's QoS mapping for `robot.transport.QoS`, plus XCDR1 (plain CDR), which is what ROS 2 nodes use.
+
+    With `ros_type`, USER_DATA carries its type hash as ROS 2 Iron and later put it there (`typehash=RIHS01_...;`):
+    ROS 2's graph (`ros2 topic info -v`, rclpy's `get_publishers_info_by_topic`) shows it, and shows INVALID without.
+    """
     if not isinstance(qos.depth, int) or qos.depth < 1:
         raise ValueError(f"QoS.depth must be an int >= 1 (keep-last history), got {qos.depth!r}")
-    return Qos(
+    policies = [
         Policy.Reliability.Reliable(max_blocking_time=_MAX_BLOCKING) if qos.reliable else Policy.Reliability.BestEffort,
         Policy.History.KeepLast(depth=qos.depth),
         Policy.Durability.TransientLocal if qos.transient_local else Policy.Durability.Volatile,
         Policy.DataRepresentation(use_cdrv0_representation=True),
-    )
+    ]
+    if ros_type is not None:
+        policies.append(Policy.Userdata(data=f"typehash={type_hash(ros_type)};".encode()))
+    return Qos(*policies)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Interoperability with the other DDS implementations ROS 2 runs on
+# ----------------------------------------------------------------------------------------------------------------
+
+# RTPS vendor id of eProsima Fast DDS: rmw_fastrtps_cpp, ROS 2's default middleware.
+FAST_DDS_VENDOR_ID = "1.15"
+
+# Match Fast DDS endpoints on topic and type names, as every ROS 2 middleware does, not on XTypes type objects.
+#
+# Why (measured against rclpy 9.1.2 / rmw_fastrtps_cpp 9.3.3 / Fast DDS 3.2.3, ROS 2 Kilted): cyclonedds-python
+# attaches XTypes type information to every topic (it needs it), and Fast DDS 3 sends type information too. When
+# both ends of a match carry it, Cyclone matches only once it has fetched the remote type objects (TypeLookup
+# service) and found them assignable. Fast DDS's type objects leave both "try construct" flags of sequence
+# elements at 0, which Cyclone's validation rejects ("ddsi_xt_type_add_typeobj with invalid type object"), so every
+# type with a sequence in it (JointState, Image, CompressedImage, Float64MultiArray, JointTrajectory, Joy) never
+# resolves and Cyclone never matches a Fast DDS reader or writer of it: 0 samples either way (Bool, String, Time,
+# Header, which have no sequence, do match). Fast DDS itself ignores type information from other vendors and
+# matches on names, and rmw_cyclonedds sends none, so ROS 2 nodes never match on type objects anyway.
+# `IgnoreTypeInformation` (Cyclone DDS 11+) makes Cyclone do the same with Fast DDS's announcements.
+INTEROP_CONFIG = (
+    '<CycloneDDS xmlns="https://cdds.io/config"><Domain Id="any"><Compatibility>'
+    f"<IgnoreTypeInformation>{FAST_DDS_VENDOR_ID}</IgnoreTypeInformation>"
+    "</Compatibility></Domain></CycloneDDS>"
+)
+
+# Discovery on the loopback config is unicast: we announce ourselves to 127.0.0.1's participant ports, and a node
+# that only multicasts (Fast DDS with the default discovery range) finds us only through those announcements.
+# Cyclone's defaults send them at start, then every 30 s, and stop after 30 s without an answer, so a ROS 2 node
+# started after us would wait 30 s, or forever. Every second, and for as long as we run, instead (33 datagrams a
+# second on loopback). Cyclone DDS 11+ (InitialLocatorPruneDelay).
+LOOPBACK_DISCOVERY_CONFIG = (
+    '<CycloneDDS xmlns="https://cdds.io/config"><Domain Id="any"><Discovery>'
+    "<SPDPInterval>1s</SPDPInterval><InitialLocatorPruneDelay>inf</InitialLocatorPruneDelay>"
+    "</Discovery></Domain></CycloneDDS>"
+)
+
+
+def domain_config(config: str | None) -> str:
+    """The configuration string a domain is created from: `INTEROP_CONFIG`, then the transport's config (None:
+    CYCLONEDDS_URI), then, on the loopback config, `LOOPBACK_DISCOVERY_CONFIG`. Later entries override earlier ones,
+    so a user's config may still set `Compatibility/IgnoreTypeInformation` its own way."""
+    base = config if config is not None else os.environ.get("CYCLONEDDS_URI", "")
+    parts = [INTEROP_CONFIG, base]
+    if base.strip() == LOOPBACK_CONFIG.resolve().as_uri():
+        parts.append(LOOPBACK_DISCOVERY_CONFIG)
+    return ",".join(part for part in parts if part.strip())
+
+
+def _create_domain(domain_id: int, config: str | None) -> Domain:
+    try:
+        return Domain(domain_id, domain_config(config))
+    except DDSException:
+        # Cyclone DDS before 11.0 knows neither option (an unknown element is a configuration error); the transport's
+        # own config alone then, which raises the real error if that config is what failed.
+        domain = Domain(domain_id, config if config is not None else os.environ.get("CYCLONEDDS_URI", ""))
+        log.warning(
+            "this Cyclone DDS predates Compatibility/IgnoreTypeInformation (Cyclone DDS 11): DDS endpoints will not "
+            "match those of ROS 2 nodes on Fast DDS (rmw_fastrtps_cpp); use cyclonedds>=11 or the rclpy backend"
+        )
+        return domain
 
 
 def resolve_config(config: str | os.PathLike | None) -> str | None:
@@ -324,7 +397,7 @@ class _DomainRegistry:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._domains: dict[int, list] = {}  # id -> [config key, Domain or None, users]
+        self._domains: dict[int, list] = {}  # id -> [config key, Domain, users]
 
     def acquire(self, domain_id: int, config: str | None) -> None:
         with self._lock:
@@ -338,9 +411,7 @@ class _DomainRegistry:
                     )
                 entry[2] += 1
                 return
-            # With config None, the participant creates the domain from CYCLONEDDS_URI itself.
-            domain = Domain(domain_id, config) if config is not None else None
-            self._domains[domain_id] = [config, domain, 1]
+            self._domains[domain_id] = [config, _create_domain(domain_id, config), 1]
 
     def release(self, domain_id: int) -> None:
         with self._lock:
@@ -350,8 +421,7 @@ class _DomainRegistry:
             entry[2] -= 1
             if entry[2] == 0:
                 del self._domains[domain_id]
-                if entry[1] is not None:
-                    _delete(entry[1])
+                _delete(entry[1])
 
 
 _DOMAINS = _DomainRegistry()
@@ -363,6 +433,42 @@ def _delete(entity: Any) -> None:
     does not delete a reused handle."""
     if entity is not None:
         entity.__del__()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The ROS 2 graph: which node owns which endpoints (rmw_dds_common's ros_discovery_info)
+# ----------------------------------------------------------------------------------------------------------------
+
+# Every ROS 2 participant publishes, on the DDS topic `ros_discovery_info` (reliable, transient-local, keep-last 1),
+# its nodes and the GIDs (DDS GUIDs) of each node's readers and writers; `ros2 node list` and rclpy's
+# `get_node_names()` are built from it. Participants also say `enclave=/;` in their USER_DATA.
+# Limit: rmw_fastrtps ties a remote endpoint to its participant by the PARTICIPANT_GUID parameter of the endpoint's
+# discovery data, which Cyclone does not send, so `ros2 topic info -v` under Fast DDS still names our endpoints'
+# node `_CREATED_BY_BARE_DDS_APP_` (their type and type hash are right).
+GRAPH_TOPIC = "ros_discovery_info"
+PARTICIPANT_USER_DATA = b"enclave=/;"
+_GRAPH_QOS = Qos(
+    Policy.Reliability.Reliable(max_blocking_time=_MAX_BLOCKING),
+    Policy.History.KeepLast(depth=1),
+    Policy.Durability.TransientLocal,
+    Policy.DataRepresentation(use_cdrv0_representation=True),
+)
+_Gid = make_idl_struct("Gid_", "rmw_dds_common::msg::dds_::Gid_", {"data": idl.array[idl.uint8, 16]})
+_NodeEntitiesInfo = make_idl_struct("NodeEntitiesInfo_", "rmw_dds_common::msg::dds_::NodeEntitiesInfo_", {
+    "node_namespace": idl.bounded_str[256],
+    "node_name": idl.bounded_str[256],
+    "reader_gid_seq": idl.sequence[_Gid],
+    "writer_gid_seq": idl.sequence[_Gid],
+})
+_ParticipantEntitiesInfo = make_idl_struct(
+    "ParticipantEntitiesInfo_", "rmw_dds_common::msg::dds_::ParticipantEntitiesInfo_",
+    {"gid": _Gid, "node_entities_info_seq": idl.sequence[_NodeEntitiesInfo]},
+)
+
+
+def _gid(entity: Any) -> Any:
+    """An entity's DDS GUID as rmw's GID: the 16 bytes of the GUID (prefix, then entity id)."""
+    return _Gid(list(entity.guid.bytes))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -461,7 +567,8 @@ class DDSTransport(Transport):
 
     Args:
         domain_id: the DDS domain, ROS_DOMAIN_ID in ROS 2 (0..232; keep it <= 101 on Linux, see the loopback XML).
-        node_name: used for the reader thread's name and in errors (the ROS graph's node list is not populated).
+        node_name: the ROS 2 node name this transport announces (`ros2 node list`), also used for the reader
+            thread's name and in errors.
         config: None (CYCLONEDDS_URI if set, else loopback), "loopback", a CycloneDDS XML path, or inline XML.
 
     Callbacks run on one reader thread per transport; a callback that raises, or a malformed sample, is logged and
@@ -483,12 +590,20 @@ class DDSTransport(Transport):
         self._closed = False
         _DOMAINS.acquire(domain_id, self.config)
         try:
-            self._participant = DomainParticipant(domain_id)
+            self._participant = DomainParticipant(domain_id, qos=Qos(Policy.Userdata(data=PARTICIPANT_USER_DATA)))
         except DDSException as e:
             _DOMAINS.release(domain_id)
             where = self.config or "CYCLONEDDS_URI"
             raise RuntimeError(f"cannot join DDS domain {domain_id} (config {where}): {e}") from e
-        self._guard = GuardCondition(self._participant)
+        try:
+            self._guard = GuardCondition(self._participant)
+            self._graph_topic = Topic(self._participant, GRAPH_TOPIC, _ParticipantEntitiesInfo)
+            self._graph_writer: DataWriter | None = DataWriter(self._participant, self._graph_topic, qos=_GRAPH_QOS)
+        except DDSException as e:
+            _delete(self._participant)
+            _DOMAINS.release(domain_id)
+            raise RuntimeError(f"cannot set up the DDS participant of node {node_name!r}: {e}") from e
+        self._announce()
 
     # -- entities ---------------------------------------------------------------------------------------------------
 
@@ -512,14 +627,31 @@ class DDSTransport(Transport):
         with self._lock:
             if endpoint in self._endpoints:
                 self._endpoints.remove(endpoint)
+                self._announce()
+
+    def _announce(self) -> None:
+        """Publish this node and its endpoints on `ros_discovery_info` (latched: late joiners get the last)."""
+        with self._lock:
+            if self._graph_writer is None:
+                return
+            readers = [_gid(e._reader) for e in self._endpoints if isinstance(e, DDSSubscription) and e._reader]
+            writers = [_gid(e._writer) for e in self._endpoints if isinstance(e, DDSPublisher) and e._writer]
+            node = _NodeEntitiesInfo(node_namespace="/", node_name=self.node_name, reader_gid_seq=readers,
+                                     writer_gid_seq=writers)
+            try:
+                self._graph_writer.write(_ParticipantEntitiesInfo(gid=_gid(self._participant),
+                                                                  node_entities_info_seq=[node]))
+            except Exception as e:  # the graph is informational: never fail a publisher or subscription over it
+                log.warning("could not announce node %s on %s: %r", self.node_name, GRAPH_TOPIC, e)
 
     def publisher(self, topic: str, msg_type: type, qos: QoS = QOS_DEFAULT) -> Publisher:
         with self._lock:
             self._check_open()
             dds_topic = self._topic(topic, msg_type)
-            writer = DataWriter(self._participant, dds_topic, qos=dds_qos(qos))
+            writer = DataWriter(self._participant, dds_topic, qos=dds_qos(qos, msg_type.ros_type))
             pub = DDSPublisher(self, topic, msg_type, qos, writer)
             self._endpoints.append(pub)
+            self._announce()
             return pub
 
     def subscribe(
@@ -530,11 +662,12 @@ class DDSTransport(Transport):
         with self._lock:
             self._check_open()
             dds_topic = self._topic(topic, msg_type)
-            reader = DataReader(self._participant, dds_topic, qos=dds_qos(qos))
+            reader = DataReader(self._participant, dds_topic, qos=dds_qos(qos, msg_type.ros_type))
             sub = DDSSubscription(self, topic, msg_type, callback, qos, reader)
             self._endpoints.append(sub)
             self._start_thread()
             self._waitset.attach(sub._condition)
+            self._announce()
             return sub
 
     # -- the reader thread ------------------------------------------------------------------------------------------
@@ -572,20 +705,25 @@ class DDSTransport(Transport):
         self._guard.set(True)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        with self._lock:
+            graph_writer, self._graph_writer = self._graph_writer, None  # no announcement per endpoint closed
         for endpoint in endpoints:
             endpoint.close()
         with self._lock:
+            _delete(graph_writer)
+            _delete(self._graph_topic)
             _delete(self._waitset)
             _delete(self._guard)
             for _, dds_topic in self._topics.values():
                 _delete(dds_topic)
             self._topics.clear()
             _delete(self._participant)
-            self._waitset = self._guard = self._participant = None
+            self._waitset = self._guard = self._participant = self._graph_topic = None
         _DOMAINS.release(self.domain_id)
 
 
 __all__ = [
-    "DDSPublisher", "DDSSubscription", "DDSTransport", "LOOPBACK_CONFIG", "WireCodec", "codec_for", "dds_qos",
-    "dds_topic_name", "dds_type_name", "loopback_environment", "resolve_config",
+    "DDSPublisher", "DDSSubscription", "DDSTransport", "FAST_DDS_VENDOR_ID", "GRAPH_TOPIC", "INTEROP_CONFIG",
+    "LOOPBACK_CONFIG", "LOOPBACK_DISCOVERY_CONFIG", "WireCodec", "codec_for", "dds_qos", "dds_topic_name",
+    "dds_type_name", "domain_config", "loopback_environment", "resolve_config",
 ]

@@ -1,11 +1,17 @@
 """The network rule in one place: the environment that keeps every DDS participant on this machine.
 
-`loopback_environment()` pins all three ways a ROS 2 process may reach the network:
+`loopback_environment()` pins every way a ROS 2 process may reach the network:
 - CycloneDDS (our `dds` backend, and rclpy with rmw_cyclonedds_cpp): CYCLONEDDS_URI = the shipped loopback file
   (interface 127.0.0.1, no multicast, peer 127.0.0.1);
 - any rmw on ROS 2 Humble: ROS_LOCALHOST_ONLY=1;
-- any rmw on ROS 2 Jazzy and later: ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, with no static peers.
-With `rmw=True` it also selects rmw_cyclonedds_cpp (tests), so that the loopback XML is what rclpy runs on.
+- any rmw on ROS 2 Jazzy and later: ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, with no static peers. For
+  rmw_fastrtps_cpp (ROS 2's default) that means: no multicast, discovery by unicast to 127.0.0.1's participant ports
+  only, and shared memory or UDP between the processes found that way (all of them on this machine);
+- Fast DDS's own ways around that range: a discovery server (ROS_DISCOVERY_SERVER, ROS2_EASY_MODE) and XML profiles
+  that may name peers on other hosts (FASTDDS_DEFAULT_PROFILES_FILE and the like, DEFAULT_FASTDDS_PROFILES.xml in the
+  working directory): emptied, removed (`UNPINNED_VARIABLES`) or skipped (SKIP_DEFAULT_XML_FILE=1).
+With `rmw=True` it also selects rmw_cyclonedds_cpp where it is installed (tests), so that the loopback XML is what
+rclpy runs on; elsewhere rclpy runs on its default rmw, pinned by the discovery range above.
 
 Used by `kinema deploy/sim-robot --local` (before rclpy.init), tests/conftest.py, the launch files' additional_env
 and the benchmark's child processes. Imports nothing but the standard library and robot.paths (launch files and
@@ -15,6 +21,7 @@ conftest import it with no DDS library loaded).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,6 +31,18 @@ LOOPBACK_CONFIG: Path = assets_dir() / "dds" / "cyclonedds_loopback.xml"
 RMW_CYCLONEDDS = "rmw_cyclonedds_cpp"
 
 
+# Fast DDS reads these files for profiles and environment values, which may name peers or servers on other hosts;
+# only their presence matters, so pinning removes them (launch files, which can only set variables, cannot).
+UNPINNED_VARIABLES = ("FASTDDS_DEFAULT_PROFILES_FILE", "FASTRTPS_DEFAULT_PROFILES_FILE", "FASTDDS_ENVIRONMENT_FILE")
+
+
+def rmw_installed(name: str) -> bool:
+    """Whether the rmw implementation `name` is in an ament index: a ROS 2 install (AMENT_PREFIX_PATH) or ROS 2
+    packages installed from PyPI into this environment (sys.prefix). Reads files only; imports nothing."""
+    prefixes = [p for p in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) if p] + [sys.prefix]
+    return any(Path(p, "share", "ament_index", "resource_index", "rmw_typesupport", name).is_file() for p in prefixes)
+
+
 def loopback_variables(*, rmw: bool = False) -> dict[str, str]:
     """Just the pinned variables."""
     env = {
@@ -31,8 +50,12 @@ def loopback_variables(*, rmw: bool = False) -> dict[str, str]:
         "ROS_LOCALHOST_ONLY": "1",
         "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
         "ROS_STATIC_PEERS": "",  # a user's static peers could name another host
+        # Fast DDS: no discovery server (empty means none), no profiles file from the working directory.
+        "ROS_DISCOVERY_SERVER": "",
+        "ROS2_EASY_MODE": "",
+        "SKIP_DEFAULT_XML_FILE": "1",
     }
-    if rmw:
+    if rmw and rmw_installed(RMW_CYCLONEDDS):
         env["RMW_IMPLEMENTATION"] = RMW_CYCLONEDDS
     return env
 
@@ -41,10 +64,12 @@ def loopback_environment(base: Mapping[str, str] | None = None, *, rmw: bool = F
     """A copy of `base` (default: this process's environment) with every DDS path pinned to loopback.
 
     For child processes: `subprocess.run(cmd, env=loopback_environment())`; for this process, before any
-    participant or rclpy context exists: `os.environ.update(loopback_environment({}))`.
+    participant or rclpy context exists: `pin_to_loopback()`.
     """
     env = dict(os.environ if base is None else base)
     env.update(loopback_variables(rmw=rmw))
+    for name in UNPINNED_VARIABLES:
+        env.pop(name, None)
     return env
 
 
@@ -52,6 +77,11 @@ def pin_to_loopback(*, rmw: bool = False) -> None:
     """Pin this process (and the children it starts later) to loopback; call before rclpy.init / the first
     participant: rmw implementations read these variables when a context is created."""
     os.environ.update(loopback_variables(rmw=rmw))
+    for name in UNPINNED_VARIABLES:
+        os.environ.pop(name, None)
 
 
-__all__ = ["LOOPBACK_CONFIG", "RMW_CYCLONEDDS", "loopback_environment", "loopback_variables", "pin_to_loopback"]
+__all__ = [
+    "LOOPBACK_CONFIG", "RMW_CYCLONEDDS", "UNPINNED_VARIABLES", "loopback_environment", "loopback_variables",
+    "pin_to_loopback", "rmw_installed",
+]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import importlib
 import logging
 import threading
 import typing
@@ -28,9 +29,13 @@ from robot.transport.base import QOS_DEFAULT, Publisher, QoS, Subscription, Tran
 
 log = logging.getLogger(__name__)
 
+# rclpy and the messages kinema speaks, from PyPI with no ROS install (ROS 2 Kilted, Fast DDS; Linux wheels).
+RCLPY_PIP = ("pip install ros-rclpy ros-kilted-rmw-fastrtps-cpp ros-kilted-sensor-msgs ros-kilted-std-msgs "
+             "ros-kilted-trajectory-msgs")
 NO_RCLPY = (
-    "the 'rclpy' transport needs ROS 2's rclpy (source /opt/ros/<distro>/setup.bash first); without a ROS 2 install "
-    "use the 'dds' backend (make_transport('dds'), or --backend dds), which speaks ROS 2's wire format over CycloneDDS"
+    "the 'rclpy' transport needs ROS 2's rclpy: source /opt/ros/<distro>/setup.bash first, or install it from PyPI "
+    f"with `pip install 'kinema[rclpy]'` ({RCLPY_PIP}); without it use the 'dds' backend (make_transport('dds'), "
+    "or --backend dds), which speaks ROS 2's wire format over CycloneDDS"
 )
 
 # array.array type codes for the numeric sequences rclpy stores (float64[] -> 'd', ...).
@@ -38,12 +43,21 @@ _TYPECODES = {np.dtype(np.float64): "d", np.dtype(np.float32): "f", np.dtype(np.
               np.dtype(np.int64): "q", np.dtype(np.uint8): "B"}
 
 
+def get_message(ros_type: str) -> type:
+    """rclpy's generated class for `pkg/msg/Name` (what rosidl_runtime_py's get_message does; that package is not
+    on PyPI, so the PyPI install of rclpy lacks it)."""
+    pkg, kind, name = ros_type.split("/")
+    try:
+        return getattr(importlib.import_module(f"{pkg}.{kind}"), name)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"no ROS 2 message class for {ros_type!r} ({e}); {NO_RCLPY}") from e
+
+
 def _import_rclpy():
     try:
         import rclpy
         from rclpy.executors import SingleThreadedExecutor
         from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
-        from rosidl_runtime_py.utilities import get_message
     except ImportError as e:
         raise ImportError(NO_RCLPY) from e
     return rclpy, SingleThreadedExecutor, (QoSProfile, ReliabilityPolicy, HistoryPolicy, DurabilityPolicy), get_message
@@ -156,7 +170,11 @@ class RclpySubscription(Subscription):
         self._deliver(lambda m: from_ros(m, self.msg_type), ros_msg, self._callback)
 
     def publisher_count(self) -> int:
-        return 0 if self._handle is None else self._transport._node.count_publishers(self.topic)
+        """Matched publishers (rclpy 7+, Jazzy), else the graph's count of publishers on the topic."""
+        if self._handle is None:
+            return 0
+        matched = getattr(self._handle, "get_publisher_count", None)
+        return matched() if matched is not None else self._transport._node.count_publishers(self.topic)
 
     def close(self) -> None:
         if self._handle is not None and not self._transport._closed:
@@ -251,4 +269,7 @@ class RclpyTransport(Transport):
         self._context.try_shutdown()
 
 
-__all__ = ["NO_RCLPY", "RclpyPublisher", "RclpySubscription", "RclpyTransport", "from_ros", "to_ros"]
+__all__ = [
+    "NO_RCLPY", "RCLPY_PIP", "RclpyPublisher", "RclpySubscription", "RclpyTransport", "from_ros", "get_message",
+    "to_ros",
+]
