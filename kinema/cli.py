@@ -41,6 +41,9 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
     collect.add_argument("--num-envs", type=int, default=4, help="envs stepped together")
     collect.add_argument("--workers", type=int, default=0, help="worker processes (0 = in this process)")
     collect.add_argument("--video", default=None, help="also write a preview MP4 of the first episodes here")
+    collect.add_argument("--policy", default=None, metavar="CKPT|zero|random",
+                         help="act with this policy instead of the scripted expert (tasks without one: external tasks)")
+    collect.add_argument("--task-config", default="", help="JSON overrides of the task's config (external tasks: constructor arguments)")
 
     render = sim_sub.add_parser("render", help="a scripted rollout as an MP4 video", formatter_class=DefaultsHelpFormatter)
     render.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
@@ -50,6 +53,9 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
     render.add_argument("--expert-noise", type=float, default=0.0, help="std of Gaussian action noise (0 = clean)")
     render.add_argument("--interventions", action="store_true", help="show simulated-human takeovers (red border)")
     render.add_argument("--cameras", action="store_true", help="add the policy's agentview and wrist cameras")
+    render.add_argument("--policy", default=None, metavar="CKPT|zero|random",
+                        help="act with this policy instead of the scripted expert (tasks without one: external tasks)")
+    render.add_argument("--task-config", default="", help="JSON overrides of the task's config (external tasks: constructor arguments)")
 
 
 def _add_train_commands(sub: argparse._SubParsersAction) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -17,8 +19,8 @@ from sim.env import CAMERAS, CONTROL_HZ
 from sim.experts import ExpertConfig
 from sim.monitor import MonitorConfig
 from sim.rollout import collect as collect_episodes
-from sim.rollout import make_vector, zero_policy
-from sim.tasks import TASKS, VARIANTS, make, task_class
+from sim.rollout import RandomPolicy, make_vector, zero_policy
+from sim.tasks import TASKS, VARIANTS, check_task, has_expert, make
 
 
 def list_tasks(args: argparse.Namespace) -> int:
@@ -33,7 +35,40 @@ def list_tasks(args: argparse.Namespace) -> int:
         table.add_row(name, str(cfg.horizon), "\n".join(cls.instructions.train), "\n".join(cls.instructions.heldout))
     console.print(table)
     console.print("Harder variants: " + ", ".join(f"{v} ({base} with {cfg})" for v, (base, cfg) in VARIANTS.items()))
+    try:
+        from sim.robosuite_adapter import ROBOSUITE_TASKS
+
+        console.print("robosuite tasks (no scripted expert: --dataset or --policy): "
+                      + ", ".join(f"robosuite/{name}" for name in ROBOSUITE_TASKS))
+    except ImportError:
+        console.print('robosuite tasks: not installed (pip install -e ".[robosuite]", in a venv of its own: mujoco<=3.9)')
+    console.print("Any gymnasium env: --task gym:<registered id> or --task package.module:Class (the contract: "
+                  "sim/tasks/external.py); its options: --task-config JSON")
     return 0
+
+
+def acting_policy(spec: str, seed: int = 0) -> Any:
+    """--policy: a checkpoint folder, `zero` (stand still, gripper open) or `random` (uniform, seeded)."""
+    if spec == "zero":
+        return zero_policy
+    if spec == "random":
+        return RandomPolicy(seed)
+    if not (Path(spec) / "config.json").is_file():
+        raise ValueError(f"--policy {spec}: expected a checkpoint folder (with config.json), 'zero' or 'random'")
+    from kinema.train.evaluate import ChunkPolicy
+    from policies import load_policy
+
+    return ChunkPolicy(load_policy(spec))
+
+
+def _task_config(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text) if text else None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--task-config must be a JSON object, e.g. '{{\"horizon\": 100}}'; got {text!r} ({err})") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"--task-config must be a JSON object; got {text!r}")
+    return value
 
 
 def _expert_config(args: argparse.Namespace) -> ExpertConfig:
@@ -59,7 +94,12 @@ def _next_seed(root: str, *, overwrite: bool) -> int:
 
 
 def collect(args: argparse.Namespace) -> int:
-    task_class(args.task)  # fail fast, listing valid tasks
+    check_task(args.task)  # fail fast, listing valid tasks
+    task_config = _task_config(args.task_config)
+    if args.policy is None and not has_expert(args.task):
+        raise ValueError(f"task {args.task!r} has no scripted expert: collect with --policy CKPT|zero|random")
+    if args.policy is not None and args.interventions:
+        raise ValueError("--interventions needs the scripted autopilot; it cannot be combined with --policy")
     if args.episodes < 1:
         raise ValueError(f"--episodes must be at least 1; got {args.episodes}")
     if args.image_size < 16 or args.image_size % 2:
@@ -74,8 +114,12 @@ def collect(args: argparse.Namespace) -> int:
         expert = _expert_config(args)
     except ValueError as err:
         raise ValueError(f"{err} (from --expert-noise/--hesitation/--wrong-grasp)") from None
-    env_kwargs = dict(image_size=args.image_size, instructions=args.instructions, objects=args.objects)
-    if args.interventions:
+    env_kwargs = dict(image_size=args.image_size, instructions=args.instructions, objects=args.objects, config=task_config)
+    runner = zero_policy  # the expert's wrapper acts; this policy's actions are ignored
+    if args.policy is not None:
+        vector_kwargs, version = {}, f"policy:{args.policy}"
+        runner = acting_policy(args.policy, seed=args.seed or 0)
+    elif args.interventions:
         vector_kwargs = dict(actor="monitored", monitor=MonitorConfig(), autopilot=_autopilot(expert))
         version = "autopilot"
     else:
@@ -110,7 +154,7 @@ def collect(args: argparse.Namespace) -> int:
         vector = make_vector(args.task, num_envs, num_workers=min(args.workers, num_envs), **vector_kwargs, **env_kwargs)
         try:
             seeds = range(first_seed, first_seed + args.episodes)
-            collect_episodes(vector, zero_policy, seeds, task_id=args.task, policy_version=version, on_episode=on_episode)
+            collect_episodes(vector, runner, seeds, task_id=args.task, policy_version=version, on_episode=on_episode)
         except KeyboardInterrupt:
             if stats["writing"]:  # cut inside an episode's write: the writer drops this run's episodes (it must)
                 raise
@@ -146,17 +190,34 @@ def render(args: argparse.Namespace) -> int:
         raise ValueError(f"--out must be an .mp4 file; got {args.out}")
     if args.episodes < 1:
         raise ValueError(f"--episodes must be at least 1; got {args.episodes}")
-    env = make(args.task, image_size=120, cameras=CAMERAS if args.cameras else ())
+    check_task(args.task)
+    if args.policy is None and not has_expert(args.task):
+        raise ValueError(f"task {args.task!r} has no scripted expert: render a policy with --policy CKPT|zero|random")
+    if args.policy is not None and args.interventions:
+        raise ValueError("--interventions needs the scripted autopilot; it cannot be combined with --policy")
+    runner = acting_policy(args.policy, seed=args.seed) if args.policy is not None else None
+    env = make(args.task, _task_config(args.task_config), image_size=120, cameras=CAMERAS if args.cameras else ())
     expert = ExpertConfig(noise=args.expert_noise)
-    wrapped = SimulatedHuman(env, MonitorConfig(), autopilot=_autopilot(expert)) if args.interventions else DemoWrapper(env, expert)
+    if runner is not None:
+        wrapped = env
+    else:
+        wrapped = SimulatedHuman(env, MonitorConfig(), autopilot=_autopilot(expert)) if args.interventions else DemoWrapper(env, expert)
     frames: list[np.ndarray] = []
     console = Console(stderr=True)
     with progress_bar(console) as bar:
         job = bar.add_task(f"render {args.task}", total=args.episodes * env.config.horizon, status="")
         for e in range(args.episodes):
             obs, _ = wrapped.reset(seed=args.seed + e)
-            for _ in range(env.config.horizon):
-                obs, _, terminated, truncated, info = wrapped.step(np.zeros(7, np.float32))
+            queue: list[np.ndarray] = []
+            for step in range(env.config.horizon):
+                if runner is not None and not queue:
+                    if hasattr(runner, "about_to_act"):
+                        runner.about_to_act([args.seed + e], [step])
+                    batch = {k: (v[None] if isinstance(v, np.ndarray) else [v]) for k, v in obs.items()}
+                    out = np.asarray(runner(batch), np.float32)
+                    queue = list(out[0] if out.ndim == 3 else out)
+                action = queue.pop(0) if runner is not None else np.zeros(7, np.float32)
+                obs, _, terminated, truncated, info = wrapped.step(action)
                 frame = env.render()
                 if args.cameras:
                     # 240-pixel overview beside the policy's two 120-pixel views, stacked.

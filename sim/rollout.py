@@ -20,7 +20,7 @@ from diffusion_rl.data import Episode, ExecutedBy
 from sim.env import CONTROL_HZ, TaskConfig
 from sim.experts import ExpertConfig
 from sim.monitor import DemoWrapper, MonitorConfig, SimulatedHuman
-from sim.tasks import make
+from sim.tasks import has_expert, make
 from sim.vector import InProcessVector, ProcessVector
 
 
@@ -42,6 +42,9 @@ def make_env(
 
     With `actor="monitored"`, `autopilot` replaces the policy by an imperfect scripted expert (see SimulatedHuman).
     """
+    if actor in ("expert", "monitored") and not has_expert(task):
+        raise ValueError(f"task {task!r} has no scripted expert (nor a simulated human built on one): give "
+                         "demonstrations as a dataset (kinema train --dataset DIR), or act with a policy (--policy)")
     env = make(task, config, **env_kwargs)
     if actor == "expert":
         return DemoWrapper(env, expert)
@@ -69,6 +72,16 @@ def zero_policy(obs: dict[str, Any]) -> np.ndarray:
     actions = np.zeros((n, 7), np.float32)
     actions[:, 6] = -1.0
     return actions
+
+
+class RandomPolicy:
+    """Uniform random actions in [-1, 1], from its own seeded generator (reproducible collections)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, obs: dict[str, Any]) -> np.ndarray:
+        return self.rng.uniform(-1.0, 1.0, (len(obs["task"]), 7)).astype(np.float32)
 
 
 class _EpisodeBuffer:

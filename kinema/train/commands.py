@@ -24,9 +24,9 @@ def eval_command(args: argparse.Namespace) -> int:
 
     from kinema.train.evaluate import SPLITS, evaluate
     from policies import load_policy
-    from sim.tasks import task_class
+    from sim.tasks import SplitNotApplicable, check_task
 
-    task_class(args.task)
+    check_task(args.task)
     # Every argument is checked before the first episode, so that a typo cannot cost an evaluation or its old report.
     splits = [split.strip() for split in args.splits.split(",")]
     if bad := [split for split in splits if split not in SPLITS]:
@@ -52,10 +52,14 @@ def eval_command(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for split in splits:
-        res, _ = evaluate(
-            policy, args.task, episodes=args.episodes, split=split, num_workers=args.workers,
-            image_size=policy.config.image_size, task_config=task_config,
-        )  # fmt: skip
+        try:
+            res, _ = evaluate(
+                policy, args.task, episodes=args.episodes, split=split, num_workers=args.workers,
+                image_size=policy.config.image_size, task_config=task_config,
+            )  # fmt: skip
+        except SplitNotApplicable:
+            console.print(f"{split}: not applicable to {args.task}")
+            continue
         results[split] = res.as_dict()
         console.print(f"{split}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes")
     (out / "eval.json").write_text(

@@ -243,13 +243,22 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
     evals = [r for r in records if r.get("kind") == "eval"]
     sft = next((r for r in evals if r["stage"] == "sft"), None)
     final = next((r for r in reversed(evals) if r["stage"] == "final"), None)
+    demos = next((r for r in records if r.get("kind") == "demos"), {})
+    sft_record = next((r for r in records if r.get("kind") == "sft"), {})
+    rounds = [r for r in records if r.get("kind") == "round"]
+    source = (f"{demos.get('episodes', '?')} successful episodes of {cfg.dataset}" if cfg.dataset else
+              f"{demos.get('episodes', cfg.demos.episodes)} scripted (noise {cfg.demos.noise})")  # fmt: skip
+    sft_text = f"SFT {sft_record.get('steps', cfg.sft.steps)} steps" + (f" from {cfg.init_policy}" if cfg.init_policy else "")
+    if cfg.rl.method == "none":
+        rl_text = "no RL (rl.method none: SFT only)"
+    else:
+        rl_text = (f"RL {len(rounds)} of {cfg.rl.rounds} rounds × {cfg.rl.episodes_per_round} rollouts × "
+                   f"{cfg.rl.updates_per_round} updates" + ("; simulated human in the loop" if cfg.rl.interventions else ""))
+    evaluated = {split for r in evals for split in SPLITS if f"{split}/success" in r}
     lines = [
         f"# kinema train: {cfg.task}, method `{cfg.rl.method}`, seed {cfg.seed}",
         "",
-        f"Demonstrations: {cfg.dataset or cfg.demos.episodes} (noise {cfg.demos.noise}); SFT {cfg.sft.steps} steps; "
-        f"RL {cfg.rl.rounds} rounds × {cfg.rl.episodes_per_round} rollouts × {cfg.rl.updates_per_round} updates"
-        + ("; simulated human in the loop" if cfg.rl.interventions else "")
-        + ".",
+        f"Demonstrations: {source}; {sft_text}; {rl_text}.",
         "",
         "Success on held-out evaluation seeds. The gain is paired: both evaluations ran the same seeds, and each "
         "episode's sampling noise is drawn from its seed, so the difference and its standard error are per seed.",
@@ -262,6 +271,8 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
             paired = paired_difference(sft, final, split) if sft and final else None
             gain = f"{100 * paired[0]:+.0f} ± {100 * paired[1]:.0f} (n={paired[2]})" if paired else "–"
             lines.append(f"| {SPLIT_NAMES[split]} | {_fmt(sft, split)} | {_fmt(final, split)} | {gain} |")
+    if missing := [SPLIT_NAMES[s] for s in SPLITS if s not in evaluated and evals and (s == "train" or cfg.eval.heldout)]:
+        lines += ["", f"Not evaluated (not applicable to {cfg.task}): {', '.join(missing)}."]
     if final and final.get("train/steps_to_success") and sft and sft.get("train/steps_to_success"):
         lines += ["", f"Mean steps to success: SFT {sft['train/steps_to_success']:.1f} → {final['train/steps_to_success']:.1f}."]
     first = next((r for r in evals if r.get("train/seeds")), None)

@@ -47,6 +47,7 @@ from policies.checkpoint import load_checkpoint_config, set_aside, write_text_at
 from sim.env import CAMERAS
 from sim.experts import ExpertConfig
 from sim.rollout import collect_demos
+from sim.tasks import SplitNotApplicable, check_task, has_expert
 
 
 def save_trainer_checkpoint(run: Run, name: str, learner: Learner, method: RLMethod, state: dict) -> Path:
@@ -99,6 +100,8 @@ def evaluate_all(
                     image_size=cfg.policy.image_size, task_config=cfg.task_config or None, seed=cfg.seed * 10_000,
                     on_episode=lambda ep: progress.advance(),
                 )  # fmt: skip
+        except SplitNotApplicable:
+            progress.bar.console.print(f"{SPLIT_NAMES[split]}: not applicable to {cfg.task}")
         except ValueError as err:  # e.g. a task without held-out object combinations
             progress.bar.console.print(f"[yellow]skipping evaluation split {split}: {err}")
     return out
@@ -117,6 +120,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     method_class = METHODS[cfg.rl.method]
+    check_task(cfg.task)
+    if not cfg.dataset and not has_expert(cfg.task):
+        raise ValueError(f"task {cfg.task!r} has no scripted expert to demonstrate it: give demonstrations with --dataset DIR "
+                         "(a LeRobotDataset v3 folder: `kinema sim collect --policy ...`, a `kinema deploy --record` "
+                         "folder, or an imported one)")
 
     # 1. Run folder ------------------------------------------------------------------------------------------------
     run = Run(cfg.run_dir(), console, tensorboard=cfg.tensorboard, step_key="env_steps")

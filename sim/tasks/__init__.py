@@ -6,6 +6,7 @@ import difflib
 from typing import Any
 
 from sim.env import TabletopEnv, TaskConfig
+from sim.tasks.external import SplitNotApplicable, is_external, make_external
 from sim.tasks.drawer import DrawerEnv
 from sim.tasks.pick_place import PickPlaceEnv
 from sim.tasks.push import PushEnv
@@ -29,6 +30,27 @@ def task_names() -> list[str]:
     return sorted([*TASKS, *VARIANTS])
 
 
+def check_task(name: str) -> None:
+    """A task name kinema can build, or a ValueError that lists the valid ones (an external task's form is checked
+    without building it)."""
+    if name.startswith("robosuite/"):
+        from sim.robosuite_adapter import resolve_name
+
+        resolve_name(name)
+    elif name.startswith("gym:") or ":" in name:
+        if not name.startswith("gym:"):
+            from sim.tasks.external import env_class
+
+            env_class(name)
+    else:
+        task_class(name)
+
+
+def has_expert(name: str) -> bool:
+    """Whether kinema has a scripted expert for the task (its own families do; external tasks do not)."""
+    return not is_external(name)
+
+
 def task_class(name: str) -> type[TabletopEnv]:
     if name in VARIANTS:
         return TASKS[VARIANTS[name][0]]
@@ -42,15 +64,13 @@ def task_class(name: str) -> type[TabletopEnv]:
 def make(name: str, config: TaskConfig | dict[str, Any] | None = None, **kwargs: Any) -> TabletopEnv:
     """Build a task environment by name. `config` may be a TaskConfig or a dict of overrides of its defaults.
 
-    `robosuite/<Task>` names (Lift, Stack, PickPlaceCan, Door, ...) run robosuite tasks through the same interface
-    (optional extra: pip install -e ".[robosuite]").
+    External tasks (`robosuite/<Task>`, `gym:<id>`, `package.module:Class`) run through the same interface; their
+    config dict goes to their constructor (see `sim.tasks.external` for the contract they meet).
     """
-    if name.startswith("robosuite/"):
-        from sim.robosuite_adapter import make_robosuite  # imported only on request: robosuite is optional
-
-        if config:
-            raise ValueError("robosuite tasks take keyword arguments (horizon=..., image_size=...), not a TaskConfig")
-        return make_robosuite(name, **kwargs)
+    if is_external(name):
+        if isinstance(config, TaskConfig):
+            raise ValueError(f"{name} is an external task: pass its config as a dict of constructor arguments")
+        return make_external(name, config, **kwargs)
     cls = task_class(name)
     if name in VARIANTS:
         overrides = dict(VARIANTS[name][1])
@@ -66,4 +86,7 @@ def make(name: str, config: TaskConfig | dict[str, Any] | None = None, **kwargs:
     return cls(config, **kwargs)
 
 
-__all__ = ["TASKS", "VARIANTS", "make", "task_class", "task_names", "TaskConfig", "TabletopEnv"]
+__all__ = [
+    "TASKS", "VARIANTS", "SplitNotApplicable", "check_task", "has_expert", "is_external", "make", "task_class",
+    "task_names", "TaskConfig", "TabletopEnv",
+]
