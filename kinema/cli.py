@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kinema.video.commands import add_video_commands
 
     add_video_commands(sub)
+    from kinema.dataset_commands import add_dataset_commands
+
+    add_dataset_commands(sub)
     return parser
 
 
@@ -122,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kinema.video.commands import run_video_command
 
             return run_video_command(args, extra)
+        if args.command == "dataset":
+            from kinema.dataset_commands import run_dataset_command
+
+            return run_dataset_command(args)
         if args.command in ("deploy", "sim-robot"):
             from kinema.robot_commands import run_robot_command
 

@@ -105,10 +105,15 @@ def tree_digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def episode_rows(root: Path) -> list[dict]:
+    """Every row of every meta/episodes file (each append session writes its own file, as LeRobot does)."""
+    return [r for p in sorted(root.glob("meta/episodes/*/*.parquet")) for r in pq.read_table(p).to_pylist()]
+
+
 def stray_files(root: Path) -> list[str]:
     """Files LeRobot would see but no committed episode references, and leftover temp files."""
     info = json.loads((root / "meta/info.json").read_text())
-    rows = pq.read_table(root / "meta/episodes/chunk-000/file-000.parquet").to_pylist()
+    rows = episode_rows(root)
     keep = {root / info["data_path"].format(chunk_index=r["data/chunk_index"], file_index=r["data/file_index"])
             for r in rows}
     for key, feat in info["features"].items():
@@ -251,7 +256,12 @@ def test_stats_match_the_data(dataset, episodes):
     np.testing.assert_allclose(stats["action"]["min"], actions.min(0), rtol=1e-6)
     np.testing.assert_allclose(stats["action"]["max"], actions.max(0), rtol=1e-6)
     assert stats["action"]["count"].tolist() == [120] and stats["action"]["mean"].dtype == np.float32
-    assert stats["privileged.cube_pose"]["mean"].shape == (3, 7)
+    # LeRobot's convention: every axis but the last is reduced, so a (3, 7) feature has stats of shape (7,).
+    poses = np.concatenate([e.privileged["privileged.cube_pose"] for e in episodes]).reshape(-1, 7).astype(np.float64)
+    assert stats["privileged.cube_pose"]["mean"].shape == (7,) and stats["privileged.cube_pose"]["count"] == [120]
+    np.testing.assert_allclose(stats["privileged.cube_pose"]["mean"], poses.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats["privileged.cube_pose"]["std"], poses.std(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats["privileged.cube_pose"]["max"], poses.max(0), rtol=1e-6)
     assert stats["intervention"]["mean"][0] == pytest.approx(5 / 30)  # steps 10..14 of each episode are human
     for cam in CAMS:
         pixels = np.concatenate([e.observations[cam] for e in episodes]).reshape(-1, 3) / 255.0
@@ -324,13 +334,24 @@ def test_irregular_timestamps_survive_and_match_video_frame_times(tmp_path):
     assert np.abs(times[20:] - queries).max() < 1e-4
 
 
-def test_reads_a_lerobot_dataset_without_kinema_metadata_but_refuses_to_append(tmp_path, episodes):
+def test_reads_and_appends_to_a_lerobot_dataset_without_kinema_metadata(tmp_path, episodes):
     root = write_episodes(tmp_path / "ds", episodes[:2])
     (root / "meta/kinema.json").unlink()
     for a, b in zip(episodes[:2], read_episodes(root), strict=True):
         assert_same_episode(a, b)
-    with pytest.raises(ValueError, match="not written by kinema"):
-        LeRobotDatasetWriter(root, mode="a")
+    before = tree_digest(root / "data") | tree_digest(root / "meta/episodes")
+    with LeRobotDatasetWriter(root, mode="a") as writer:
+        writer.add_episode(episodes[2])
+    for a, b in zip(episodes[:3], read_episodes(root), strict=True):
+        assert_same_episode(a, b)
+    after = tree_digest(root / "data") | tree_digest(root / "meta/episodes")
+    assert all(after[k] == v for k, v in before.items())  # LeRobot's files are never rewritten
+    assert "chunk-000/file-001.parquet" in after and stray_files(root) == []
+    # An episode that does not fit the dataset's features is refused, naming the feature.
+    with pytest.raises(ValueError, match=r"'observation.state'.*\[7\].*\[5\]"), \
+            LeRobotDatasetWriter(root, mode="a") as writer:
+        writer.add_episode(make_episode(9, state_dim=5))
+    assert len(read_episodes(root)) == 3
 
 
 # ------------------------------------------------------------------------------------------------------------ safety
@@ -555,9 +576,10 @@ def test_killed_during_a_first_write_leaves_an_incomplete_dataset(tmp_path):
     assert len(read_episodes(root)) == 1 and stray_files(root) == []
 
 
-# Every rename of a commit, in the order the writer makes them; info.json is the commit point.
+# Every rename of a commit, in the order the writer makes them; info.json is the commit point. An append session
+# writes its rows to a meta/episodes file of its own.
 COMMIT_RENAMES = ["data/chunk-000/file-001.parquet", "videos/observation.images.wrist/chunk-000/file-001.mp4",
-                  "meta/kinema.json", "meta/episodes/chunk-000/file-000.parquet", "meta/tasks.parquet",
+                  "meta/kinema.json", "meta/episodes/chunk-000/file-001.parquet", "meta/tasks.parquet",
                   "meta/stats.json", "meta/info.json"]
 
 
@@ -574,7 +596,7 @@ def test_killed_during_an_append_keeps_the_previous_dataset(tmp_path, kill_at):
     # Opening for append removes what the killed session left, so LeRobot's loader sees a consistent dataset too.
     LeRobotDatasetWriter.open_append(root).close()
     assert stray_files(root) == []
-    assert pq.read_metadata(root / "meta/episodes/chunk-000/file-000.parquet").num_rows == 2
+    assert len(episode_rows(root)) == 2  # LeRobot reads every row: the uncommitted one is gone
     assert LeRobotDatasetReader(root).meta.tasks == ["put cube 0 on plate", "put cube 1 on plate"]
     assert json.loads((root / "meta/stats.json").read_text())["index"]["count"] == [20]
     with LeRobotDatasetWriter.open_append(root) as writer:
@@ -582,5 +604,5 @@ def test_killed_during_an_append_keeps_the_previous_dataset(tmp_path, kill_at):
                                         privileged={"privileged.cube_pose": np.ones((10, 3, 7), np.float32)}))
     back = read_episodes(root)
     assert len(back) == 3 and stray_files(root) == []
-    assert pq.read_metadata(root / "meta/episodes/chunk-000/file-000.parquet").num_rows == 3
+    assert [r["episode_index"] for r in episode_rows(root)] == [0, 1, 2]
     assert LeRobotDatasetReader(root).meta.tasks == ["put cube 0 on plate", "put cube 1 on plate"]

@@ -17,10 +17,12 @@ from diffusion_rl.data.lerobot_v3 import (
     IncompleteDatasetError,
     LeRobotDatasetReader,
     LeRobotDatasetWriter,
+    UpgradeReport,
     VideoEncoding,
     load_info,
     load_stats,
     read_episodes,
+    upgrade_dataset,
     write_episodes,
 )
 
@@ -38,10 +40,12 @@ __all__ = [
     "LeRobotDatasetReader",
     "LeRobotDatasetWriter",
     "Segment",
+    "UpgradeReport",
     "VideoEncoding",
     "load_info",
     "mark_failure_inducing",
     "load_stats",
     "read_episodes",
+    "upgrade_dataset",
     "write_episodes",
 ]

@@ -8,12 +8,18 @@ Layout and schema follow huggingface/lerobot (main branch), so LeRobot's loader 
   `videos/<key>/from_timestamp`/`to_timestamp` (episodes concatenated in one mp4);
 - `src/lerobot/datasets/compute_stats.py`: per-episode `stats/<key>/<stat>` and their aggregation;
 - `src/lerobot/datasets/video_utils.py`: `video.*` info keys; `io_utils.py`: `data/*/*.parquet` is globbed.
+The stats' shapes and arrow types follow LeRobot 0.4.4 exactly (see the stats section), so that LeRobot's own writer
+can append to our datasets and we to its: each tool pools the other's per-episode stats and reads the other's
+meta/episodes files. Like LeRobot, every append session writes its episode rows to a meta/episodes file of its own;
+earlier files (ours or LeRobot's) are never rewritten, except to drop rows of an interrupted commit and by
+`upgrade_dataset`, which migrates datasets written with kinema's earlier per-element stats.
 
 Safety: meta/info.json is the commit record and is written last (temp file + os.replace). Data and video files are
 written under temporary names (`*.kinema-tmp`, which LeRobot's `*.parquet` glob ignores) and renamed only at commit.
 Readers trust only the first `total_episodes` episodes in info.json. A writer opened in append mode removes files an
-interrupted session left behind. Kinema-specific facts (per-step shapes) live in meta/kinema.json, which also marks a
-folder as ours, so an unfinished kinema dataset can be recognised and is never confused with somebody else's folder.
+interrupted session left behind. Kinema-specific facts (per-step shapes, the stats layout) live in meta/kinema.json,
+which also marks a folder as ours, so an unfinished kinema dataset can be recognised and is never confused with
+somebody else's folder.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any, Literal
 import av
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from diffusion_rl.data.episode import (FORMAT_VERSION, IMAGE_PREFIX, PRIVILEGED_PREFIX, SEGMENT_NAMES, STATE_KEY,
@@ -46,8 +53,10 @@ CODEBASE_VERSION = "v3.0"
 INFO_PATH = "meta/info.json"
 STATS_PATH = "meta/stats.json"
 TASKS_PATH = "meta/tasks.parquet"
-EPISODES_PATH = "meta/episodes/chunk-000/file-000.parquet"
+EPISODES_PATH = "meta/episodes/chunk-000/file-000.parquet"  # the first; each append session adds the next
+EPISODES_DIR_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 KINEMA_PATH = "meta/kinema.json"
+KINEMA_EPISODES_PATH = "meta/kinema_episodes.parquet"  # per-episode facts, in datasets LeRobot created (EXTRA_FIELDS)
 DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
 VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
 DEFAULT_FEATURES: dict[str, dict[str, Any]] = {
@@ -206,10 +215,41 @@ def _from_arrow(column: pa.ChunkedArray, step_shape: Sequence[int]) -> np.ndarra
 
 
 # ------------------------------------------------------------------------------------------------------------- stats
-def _array_stats(values: np.ndarray, shape: Sequence[int]) -> dict[str, np.ndarray]:
-    x = values.astype(np.float64).reshape((len(values), *shape))
+# The stats convention is LeRobot 0.4.4's (`compute_stats.compute_episode_stats` / `get_feature_stats`,
+# `aggregate_stats`; the metadata writer `LeRobotDatasetMetadata._flush_metadata_buffer` infers the arrow types):
+# - a camera: per-channel stats in [0, 1] of shape (3, 1, 1); every stat a list<list<list<double>>>;
+# - any other feature: every axis but the last is reduced, so a scalar gives shape (1,), a vector (D,) and a feature
+#   of shape (..., D) gives (D,); `min`/`max` keep the feature's kind (list<int64> for ints, list<bool> for bools,
+#   list<double> for floats); mean, std and the quantiles are list<double>;
+# - `count` (list<int64>, shape (1,)) is the number of frames, also for multi-dimensional features;
+# - pooled over episodes: count-weighted mean and variance, exact min/max, count-weighted mean of the quantiles.
+STATS_LAYOUT = "lerobot-0.4"  # recorded in meta/kinema.json; earlier kinema datasets have none (per-element stats)
+_STAT_NAMES = ("min", "max", "mean", "std", *QUANTILES, "count")
+
+
+def _native_kind(dtype: str) -> str:
+    kind = np.dtype(dtype).kind
+    return "bool" if kind == "b" else "int" if kind in "iu" else "float"
+
+
+def _stats_arrow_type(feature: Mapping[str, Any], stat: str) -> pa.DataType:
+    if stat == "count":
+        return pa.list_(pa.int64())
+    if feature["dtype"] in ("video", "image"):
+        return pa.list_(pa.list_(pa.list_(pa.float64())))
+    if stat in ("min", "max"):
+        return pa.list_({"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64()}[_native_kind(feature["dtype"])])
+    return pa.list_(pa.float64())
+
+
+def _array_stats(values: np.ndarray, dtype: str, shape: Sequence[int]) -> dict[str, np.ndarray]:
+    """Per-episode stats of a non-camera feature, reduced over frames and every axis but the last (LeRobot's way)."""
+    values = np.asarray(values)
+    rows = values.astype(np.dtype(dtype), copy=False).reshape(-1, int(shape[-1]))
+    x = rows.astype(np.float64)
     quant = np.quantile(x, list(QUANTILES.values()), axis=0)
-    stats = {"min": x.min(0), "max": x.max(0), "mean": x.mean(0), "std": x.std(0), "count": np.array([len(x)])}
+    stats = {"min": rows.min(0), "max": rows.max(0), "mean": x.mean(0), "std": x.std(0),
+             "count": np.array([len(values)], dtype=np.int64)}
     return stats | {k: quant[i] for i, k in enumerate(QUANTILES)}
 
 
@@ -230,38 +270,80 @@ def _image_stats(frames: np.ndarray) -> dict[str, np.ndarray]:
     stats = {"min": levels[seen.argmax(1)], "max": levels[255 - seen[:, ::-1].argmax(1)], "mean": mean,
              "std": np.sqrt(np.maximum(hist @ levels**2 / n - mean**2, 0.0))}
     stats |= {k: levels[[np.searchsorted(cdf[c], q - 1e-12) for c in range(3)]] for k, q in QUANTILES.items()}
-    return {k: v.reshape(3, 1, 1) for k, v in stats.items()} | {"count": np.array([len(frames)])}
+    return {k: v.reshape(3, 1, 1) for k, v in stats.items()} | {"count": np.array([len(frames)], dtype=np.int64)}
 
 
 def _aggregate_stats(per_episode: Sequence[Mapping[str, Mapping[str, np.ndarray]]]) -> Stats:
-    """Pooled mean/variance weighted by count; exact min/max; quantiles as LeRobot's conservative envelope."""
+    """Pooled mean/variance weighted by count; exact min/max (in the feature's kind); quantiles as the count-weighted
+    mean of the per-episode quantiles, as LeRobot 0.4.4 pools them."""
     out: Stats = {}
     for key in dict.fromkeys(k for s in per_episode for k in s):
         items = [s[key] for s in per_episode if key in s]
-        counts = np.array([float(s["count"][0]) for s in items])
+        counts = np.array([float(np.ravel(s["count"])[0]) for s in items])
         w = (counts / counts.sum()).reshape((-1,) + (1,) * np.ndim(items[0]["mean"]))
-        means = np.stack([s["mean"] for s in items])
+        means = np.stack([np.asarray(s["mean"], dtype=np.float64) for s in items])
         mean = (w * means).sum(0)
-        var = (w * (np.stack([s["std"] for s in items]) ** 2 + (means - mean) ** 2)).sum(0)
-        out[key] = {"min": np.min([s["min"] for s in items], 0), "max": np.max([s["max"] for s in items], 0),
-                    "mean": mean, "std": np.sqrt(var), "count": np.array([int(counts.sum())])}
-        for q, frac in QUANTILES.items():
+        stds = np.stack([np.asarray(s["std"], dtype=np.float64) for s in items])
+        var = (w * (stds**2 + (means - mean) ** 2)).sum(0)
+        out[key] = {"min": np.min(np.stack([s["min"] for s in items]), 0),
+                    "max": np.max(np.stack([s["max"] for s in items]), 0),
+                    "mean": mean, "std": np.sqrt(var), "count": np.array([int(counts.sum())], dtype=np.int64)}
+        for q in QUANTILES:
             if all(q in s for s in items):
-                out[key][q] = (np.min if frac <= 0.5 else np.max)([s[q] for s in items], 0)
+                out[key][q] = (w * np.stack([np.asarray(s[q], dtype=np.float64) for s in items])).sum(0)
     return out
 
 
 def _stats_from_row(row: Mapping[str, Any]) -> Stats:
+    """Per-episode stats from a meta/episodes row; min/max keep their stored kind (int, bool or float)."""
     stats: Stats = {}
     for col, value in row.items():
         if col.startswith("stats/") and value is not None:
             key, stat = col[len("stats/"):].rsplit("/", 1)
-            stats.setdefault(key, {})[stat] = np.asarray(value, dtype=np.int64 if stat == "count" else np.float64)
+            arr = np.asarray(value)
+            stats.setdefault(key, {})[stat] = arr.astype(np.int64 if stat == "count" else arr.dtype if stat in (
+                "min", "max") else np.float64)
     return stats
 
 
 def _stats_to_json(stats: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, dict[str, Any]]:
     return {k: {s: np.asarray(v).tolist() for s, v in st.items()} for k, st in stats.items()}
+
+
+def _stats_layout_ok(features: Features, stats: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Whether stats (of one episode, or pooled) have LeRobot's shapes: (3, 1, 1) for cameras, (last dim,) else."""
+    for key, st in stats.items():
+        f = features.get(key)
+        if f is None:
+            continue
+        want = (3, 1, 1) if f["dtype"] in ("video", "image") else (int(f["shape"][-1]),)
+        if any(np.shape(v) != want for s, v in st.items() if s != "count"):
+            return False
+    return True
+
+
+def _reduce_legacy_stats(features: Features, stats: Mapping[str, Mapping[str, Any]]) -> Stats:
+    """Stats of a kinema dataset written before STATS_LAYOUT (per element, shape (..., D)) in LeRobot's shape (D,).
+
+    Every element of a feature has the same count, so min, max, mean and std reduce exactly; a quantile becomes the
+    mean of the per-element quantiles (LeRobot's pooling rule for quantiles), an approximation. Rewriting the stats
+    from the data (`upgrade_dataset`) is exact.
+    """
+    out: Stats = {}
+    for key, st in stats.items():
+        arrays = {s: np.asarray(v, dtype=np.int64 if s == "count" else np.float64) for s, v in st.items()}
+        f = features.get(key)
+        if f is None or f["dtype"] in ("video", "image") or "mean" not in arrays:
+            out[key] = arrays
+            continue
+        d = int(f["shape"][-1])
+        flat = {s: v.reshape(-1, d) for s, v in arrays.items() if s != "count"}
+        mean = flat["mean"].mean(0)
+        red = {"min": flat["min"].min(0), "max": flat["max"].max(0), "mean": mean,
+               "std": np.sqrt((flat["std"] ** 2 + (flat["mean"] - mean) ** 2).mean(0))}
+        red |= {q: flat[q].mean(0) for q in QUANTILES if q in flat}
+        out[key] = red | {"count": arrays["count"].reshape(1)}
+    return out
 
 
 # ---------------------------------------------------------------------------------------- episode <-> feature columns
@@ -303,7 +385,19 @@ def _infer_features(ep: Episode, fps: float, video: VideoEncoding,
     return features | copy.deepcopy(DEFAULT_FEATURES), step_shapes
 
 
-def _episodes_schema(features: Features) -> pa.Schema:
+# kinema's per-episode facts. They are columns of meta/episodes where the dataset's first meta/episodes file has them
+# (datasets kinema created); in a dataset LeRobot created they go to KINEMA_EPISODES_PATH instead, because LeRobot's
+# loader (`datasets`) casts every meta/episodes file to the columns of the first and refuses columns it lacks.
+EXTRA_FIELDS: dict[str, pa.DataType] = {
+    "outcome": pa.bool_(), "task_id": pa.string(), "seed": pa.int64(), "policy_version": pa.string(),
+    "complete": pa.bool_(), "steps_to_success": pa.int64(), "intervened": pa.bool_()}
+
+
+def _extras_schema() -> pa.Schema:
+    return pa.schema([("episode_index", pa.int64()), *EXTRA_FIELDS.items()])
+
+
+def _episodes_schema(features: Features, extras: bool = True) -> pa.Schema:
     i64, f64 = pa.int64(), pa.float64()
     fields: list[tuple[str, pa.DataType]] = [
         ("episode_index", i64), ("tasks", pa.list_(pa.string())), ("length", i64), ("data/chunk_index", i64),
@@ -311,15 +405,10 @@ def _episodes_schema(features: Features) -> pa.Schema:
     for key in (k for k, f in features.items() if f["dtype"] == "video"):
         fields += [(f"videos/{key}/chunk_index", i64), (f"videos/{key}/file_index", i64),
                    (f"videos/{key}/from_timestamp", f64), (f"videos/{key}/to_timestamp", f64)]
-    fields += [("meta/episodes/chunk_index", i64), ("meta/episodes/file_index", i64), ("outcome", pa.bool_()),
-               ("task_id", pa.string()), ("seed", i64), ("policy_version", pa.string()), ("complete", pa.bool_()),
-               ("steps_to_success", i64), ("intervened", pa.bool_())]
+    fields += [("meta/episodes/chunk_index", i64), ("meta/episodes/file_index", i64)]
+    fields += list(EXTRA_FIELDS.items()) if extras else []
     for key, f in features.items():
-        stat_type = f64
-        for _ in range(3 if f["dtype"] == "video" else len(f["shape"])):  # cameras: (3, 1, 1)
-            stat_type = pa.list_(stat_type)
-        fields += [(f"stats/{key}/{stat}", stat_type) for stat in ("min", "max", "mean", "std", *QUANTILES)]
-        fields.append((f"stats/{key}/count", pa.list_(i64)))
+        fields += [(f"stats/{key}/{stat}", _stats_arrow_type(f, stat)) for stat in _STAT_NAMES]
     return pa.schema(fields)
 
 
@@ -359,7 +448,17 @@ def _read_episode_rows(root: Path, total: int, with_stats: bool) -> list[dict[st
     rows.sort(key=lambda r: r["episode_index"])
     if [r["episode_index"] for r in rows] != list(range(total)):
         raise ValueError(f"dataset {root} is corrupt: meta/episodes does not hold episodes 0..{total - 1}")
+    for extra in _read_extras(root, total):
+        rows[extra["episode_index"]] |= extra
     return rows
+
+
+def _read_extras(root: Path, total: int) -> list[dict[str, Any]]:
+    """kinema's per-episode facts kept beside meta/episodes (see EXTRA_FIELDS); committed episodes only."""
+    path = root / KINEMA_EPISODES_PATH
+    if not path.is_file():
+        return []
+    return [r for r in pq.read_table(path).to_pylist() if r["episode_index"] < total]
 
 
 def _step_shapes_for(root: Path, features: Features) -> dict[str, list[int]]:
@@ -369,6 +468,24 @@ def _step_shapes_for(root: Path, features: Features) -> dict[str, list[int]]:
             # A foreign dataset: shape (1,) is a scalar column, except for the (T, D) arrays of the Episode contract.
             shapes[key] = [] if list(f["shape"]) == [1] and key not in (STATE_KEY, "action") else list(f["shape"])
     return shapes
+
+
+def _kinema_json(step_shapes: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+    """meta/kinema.json. `step_shapes` holds the Episode's own per-step arrays only (LeRobot's default columns have
+    fixed shapes), so the file is the same whether a dataset was written in one session or appended to."""
+    return {"format": "kinema.episodes", "format_version": FORMAT_VERSION, "stats_layout": STATS_LAYOUT,
+            "step_shapes": {k: list(v) for k, v in step_shapes.items() if k not in DEFAULT_FEATURES},
+            "segment_names": list(SEGMENT_NAMES), "executed_by_names": [e.name.lower() for e in ExecutedBy]}
+
+
+def _episode_files(root: Path) -> list[Path]:
+    return sorted((root / "meta/episodes").glob("*/*.parquet"))
+
+
+def _file_counter(path: Path, chunks_size: int) -> int:
+    """chunk * chunks_size + file of a `chunk-XXX/file-YYY.*` path (LeRobot moves to the next chunk at chunks_size)."""
+    chunk, file = int(path.parent.name.split("-")[-1]), int(path.name.split(".")[0].split("-")[-1])
+    return chunk * chunks_size + file
 
 
 # -------------------------------------------------------------------------------------------------------------- video
@@ -462,19 +579,21 @@ class _FileSet:
 class LeRobotDatasetWriter:
     """Writes Episodes as a LeRobotDataset v3; a context manager.
 
-    mode="w" creates a dataset (refusing an existing one unless overwrite=True); mode="a" appends to a kinema dataset
-    (or creates it). Episodes become durable at `commit()` or `close()`; an exception inside the `with` block, or a
-    killed process, discards the uncommitted ones and leaves the last committed state (or, for a dataset never
-    committed, a folder that readers reject as incomplete). Every commit writes new file indices: existing data and
-    video files are never rewritten. Features are inferred from the first episode; `names` sets LeRobot's per-dimension
-    names (e.g. joint names for `observation.state` and `action`).
+    mode="w" creates a dataset (refusing an existing one unless overwrite=True); mode="a" appends to a kinema or
+    LeRobot dataset whose features match the episodes' (or creates it). Episodes become durable at `commit()` or
+    `close()`; an exception inside the `with` block, or a killed process, discards the uncommitted ones and leaves the
+    last committed state (or, for a dataset never committed, a folder that readers reject as incomplete). Every commit
+    writes new file indices: existing data and video files are never rewritten. Features are inferred from the first
+    episode; `names` sets LeRobot's per-dimension names (e.g. joint names for `observation.state` and `action`).
+    `source`, a JSON-able record of where this session's episodes came from (an importer's conventions, say), is
+    appended to meta/kinema.json's `sources` list.
     """
 
     def __init__(self, root: str | Path, *, fps: float | None = None, mode: Literal["w", "a"] = "w",
                  overwrite: bool = False, robot_type: str = "kinema_panda",
                  names: Mapping[str, Sequence[str]] | None = None, video: VideoEncoding = VideoEncoding(),
                  chunks_size: int = 1000, data_files_size_in_mb: float = 100,
-                 video_files_size_in_mb: float = 200) -> None:
+                 video_files_size_in_mb: float = 200, source: Mapping[str, Any] | None = None) -> None:
         if mode not in ("w", "a"):
             raise ValueError(f"mode must be 'w' or 'a'; got {mode!r}")
         self.root = Path(root)
@@ -483,9 +602,6 @@ class LeRobotDatasetWriter:
             raise FileExistsError(
                 f"refusing to write a dataset at {self.root}: it exists and is not empty, but is not a LeRobot or "
                 f"kinema dataset (expected {INFO_PATH} or {KINEMA_PATH}). Nothing in it was changed.")
-        if kind == "lerobot" and mode == "a":
-            raise ValueError(f"cannot append to {self.root}: a LeRobot dataset not written by kinema "
-                             f"(no {KINEMA_PATH})")
         if kind in ("kinema", "kinema_incomplete", "lerobot") and mode == "w" and not overwrite:
             raise FileExistsError(f"{self.root} already holds a dataset; pass overwrite=True to replace it, "
                                   f"or mode='a' to append")
@@ -495,6 +611,12 @@ class LeRobotDatasetWriter:
         self._features: Features | None = None
         self._step_shapes: dict[str, list[int]] = {}
         self._rows: list[dict[str, Any]] = []  # committed episodes (episodes-table rows)
+        self._session_rows: list[dict[str, Any]] = []  # the committed ones in this session's meta/episodes file
+        self._meta_counter = 0  # this session's meta/episodes file: chunk * chunks_size + file
+        self._row_extras = True  # EXTRA_FIELDS as meta/episodes columns (else in KINEMA_EPISODES_PATH)
+        self._extra_info: dict[str, Any] = {}  # info.json keys kinema does not write itself, kept as found
+        self._kinema_extra: dict[str, Any] = {}  # meta/kinema.json keys beyond _kinema_json's, kept as found
+        self._source = None if source is None else json.loads(json.dumps(dict(source)))
         self._stats: Stats = {}  # aggregate over committed episodes
         self._new_rows: list[dict[str, Any]] = []
         self._new_stats: list[Stats] = []
@@ -504,11 +626,13 @@ class LeRobotDatasetWriter:
         self._pending: list[tuple[Path, Path]] = []  # closed files still under temp names: (temp, final)
         self._dirty = self._closed = False
         self._lock_fd: int | None = None
-        self._fresh, self._made_root = not (mode == "a" and kind == "kinema"), kind == "missing"
+        existing = mode == "a" and kind in ("kinema", "lerobot")
+        self._fresh, self._made_root = not existing, kind == "missing"
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock()
         try:
-            if mode == "a" and kind == "kinema":
+            if existing:
+                _upgrade_locked(self.root)  # a kinema dataset of an earlier stats layout: migrate its metadata first
                 self._load_existing()
             else:
                 for sub in ("data", "videos", "meta", "images"):  # only a recognised dataset gets here
@@ -521,7 +645,8 @@ class LeRobotDatasetWriter:
 
     @classmethod
     def open_append(cls, root: str | Path, **kwargs: Any) -> LeRobotDatasetWriter:
-        """Append to a kinema dataset (creating it if absent); also repairs what an interrupted session left."""
+        """Append to a kinema or LeRobot dataset (creating it if absent); also repairs what an interrupted session
+        left, and migrates the metadata of a kinema dataset written with an earlier stats layout (`upgrade_dataset`)."""
         return cls(root, mode="a", **kwargs)
 
     @property
@@ -563,14 +688,17 @@ class LeRobotDatasetWriter:
             self._files = None
         if self._features is None or not (self._new_rows or self._dirty):
             return
-        rows = self._rows + self._new_rows
+        rows, session = self._rows + self._new_rows, self._session_rows + self._new_rows
         stats = _aggregate_stats(([self._stats] if self._stats else []) + self._new_stats)
         frames = self._frames + sum(r["length"] for r in self._new_rows)
         for tmp, final in self._pending:  # data first: metadata never points at a file that is not there
             os.replace(tmp, final)
-        self._write_meta(rows, list(self._tasks), stats)
+        self._write_meta(rows, session, list(self._tasks), stats, with_source=bool(self._new_rows))
         _atomic_write(self.root / INFO_PATH, self._info(len(rows), frames, len(self._tasks)))  # the commit point
-        self._rows, self._new_rows, self._new_stats, self._pending = rows, [], [], []
+        if self._new_rows and self._source is not None:  # recorded once per session
+            self._kinema_extra["sources"] = [*self._kinema_extra.get("sources", []), self._source]
+            self._source = None
+        self._rows, self._session_rows, self._new_rows, self._new_stats, self._pending = rows, session, [], [], []
         self._stats, self._frames, self._n_committed_tasks, self._dirty = stats, frames, len(self._tasks), False
         with contextlib.suppress(OSError):  # folders cannot be opened for fsync on some systems (Windows)
             _fsync(self.root / "meta")
@@ -601,7 +729,8 @@ class LeRobotDatasetWriter:
                 tmp.unlink(missing_ok=True)
                 final.unlink(missing_ok=True)
             if self._rows and self._pending:  # a failed commit may have rewritten the metadata already
-                self._write_meta(self._rows, list(self._tasks)[: self._n_committed_tasks], self._stats)
+                self._write_meta(self._rows, self._session_rows, list(self._tasks)[: self._n_committed_tasks],
+                                 self._stats)
         except Exception:
             pass  # best effort: the next append session repairs the rest
         finally:
@@ -642,31 +771,77 @@ class LeRobotDatasetWriter:
             os.close(self._lock_fd)  # closing releases the flock
             self._lock_fd = None
 
-    def _kinema_json(self) -> dict[str, Any]:
-        return {"format": "kinema.episodes", "format_version": FORMAT_VERSION, "step_shapes": self._step_shapes,
-                "segment_names": list(SEGMENT_NAMES), "executed_by_names": [e.name.lower() for e in ExecutedBy]}
+    _info_keys = ("codebase_version", "robot_type", "total_episodes", "total_frames", "total_tasks", "chunks_size",
+                  "data_files_size_in_mb", "video_files_size_in_mb", "fps", "splits", "data_path", "video_path",
+                  "features")
+
+    def _kinema_json(self, with_source: bool = False) -> dict[str, Any]:
+        extra = dict(self._kinema_extra)
+        if with_source and self._source is not None:
+            extra["sources"] = [*extra.get("sources", []), self._source]
+        return extra | _kinema_json(self._step_shapes)
 
     def _info(self, episodes: int, frames: int, tasks: int) -> dict[str, Any]:
         assert self._features is not None and self._fps is not None
         has_video = any(f["dtype"] == "video" for f in self._features.values())
-        return {"codebase_version": CODEBASE_VERSION, "robot_type": self._robot_type, "total_episodes": episodes,
-                "total_frames": frames, "total_tasks": tasks, **self._sizes, "fps": _json_fps(self._fps),
-                "splits": {"train": f"0:{episodes}"}, "data_path": DATA_PATH,
-                "video_path": VIDEO_PATH if has_video else None, "features": self._features}
+        return self._extra_info | {
+            "codebase_version": CODEBASE_VERSION, "robot_type": self._robot_type, "total_episodes": episodes,
+            "total_frames": frames, "total_tasks": tasks, **self._sizes, "fps": _json_fps(self._fps),
+            "splits": {"train": f"0:{episodes}"}, "data_path": DATA_PATH,
+            "video_path": VIDEO_PATH if has_video else None, "features": self._features}
 
     def _load_existing(self) -> None:
         info = load_info(self.root)
         if self._fps is not None and abs(float(self._fps) - float(info["fps"])) > 1e-9:
             raise ValueError(f"fps: the dataset at {self.root} has fps={info['fps']}, got fps={self._fps}")
+        for key, f in info["features"].items():
+            if f["dtype"] == "image":
+                raise ValueError(f"cannot append to {self.root}: feature {key!r} stores images in parquet, which "
+                                 f"kinema does not write; expected 'video'")
+        for key, ours in (("data_path", DATA_PATH), ("video_path", VIDEO_PATH)):
+            if info.get(key) not in (None, ours):
+                raise ValueError(f"cannot append to {self.root}: its {key} is {info[key]!r}; kinema writes {ours!r}")
         self._fps, self._robot_type = float(info["fps"]), info.get("robot_type") or self._robot_type
         self._sizes = {k: info.get(k, v) for k, v in self._sizes.items()}
+        self._extra_info = {k: v for k, v in info.items() if k not in self._info_keys}
         self._features = info["features"]
         self._step_shapes = _step_shapes_for(self.root, info["features"])
-        self._rows = _read_episode_rows(self.root, info["total_episodes"], with_stats=True)
+        if (self.root / KINEMA_PATH).is_file():
+            standard = _kinema_json({})
+            self._kinema_extra = {k: v for k, v in _load_json(self.root / KINEMA_PATH).items() if k not in standard}
+        total, chunks = int(info["total_episodes"]), int(self._sizes["chunks_size"])
+        # meta/episodes files: committed rows only. A file an interrupted commit left is rewritten without its
+        # uncommitted rows (or removed), so that LeRobot, which reads every row, sees what kinema sees.
+        episode_files, meta_counters, repaired = [], [-1], False
+        for path in _episode_files(self.root):
+            table = pq.read_table(path)
+            keep = pc.less(table.column("episode_index"), total)
+            if pc.all(keep).as_py():
+                episode_files.append(table)
+                meta_counters.append(_file_counter(path, chunks))
+            elif pc.any(keep).as_py():
+                episode_files.append(table.filter(keep))
+                meta_counters.append(_file_counter(path, chunks))
+                _atomic_write(path, episode_files[-1])
+                repaired = True
+            else:
+                path.unlink()
+                repaired = True
+        self._rows = sorted((r for t in episode_files for r in t.to_pylist()), key=lambda r: r["episode_index"])
+        if [r["episode_index"] for r in self._rows] != list(range(total)):
+            raise ValueError(f"dataset {self.root} is corrupt: meta/episodes does not hold episodes 0..{total - 1}")
+        for extra in _read_extras(self.root, total):
+            self._rows[extra["episode_index"]] |= extra
+        self._row_extras = not episode_files or set(EXTRA_FIELDS) <= set(episode_files[0].column_names)
+        self._meta_counter = max(meta_counters) + 1  # a new meta/episodes file per session, as LeRobot does
         tasks = _read_tasks(self.root)
         self._tasks = {t: i for i, t in enumerate(tasks[: info["total_tasks"]])}
         self._n_committed_tasks, self._frames = len(self._tasks), int(info["total_frames"])
-        self._stats = _aggregate_stats([_stats_from_row(r) for r in self._rows]) if self._rows else {}
+        try:
+            self._stats = _aggregate_stats([_stats_from_row(r) for r in self._rows]) if self._rows else {}
+        except ValueError as err:  # np.stack of stats of different shapes
+            raise ValueError(f"cannot append to {self.root}: the per-episode stats in meta/episodes do not share "
+                             f"one layout ({err})") from None
         # Remove what an interrupted session left: temp files, and files that no committed episode references.
         keep, counters = set(), [-1]
         for r in self._rows:
@@ -676,14 +851,16 @@ class LeRobotDatasetWriter:
             for key, c, f in refs:
                 path = DATA_PATH if key == "data" else VIDEO_PATH
                 keep.add(self.root / path.format(video_key=key, chunk_index=c, file_index=f))
-                counters.append(c * self._sizes["chunks_size"] + f)
+                counters.append(c * chunks + f)
         stale = list(self.root.rglob(f"*{_TMP}"))
         stale += [p for p in [*self.root.glob("data/*/*.parquet"), *self.root.glob("videos/*/*/*.mp4")]
                   if p not in keep]
         for p in stale:
             p.unlink(missing_ok=True)
-        on_disk = pq.read_metadata(self.root / EPISODES_PATH).num_rows if (self.root / EPISODES_PATH).is_file() else 0
-        self._dirty = bool(stale) or on_disk != len(self._rows) or len(tasks) != len(self._tasks)
+        on_disk = _load_json(self.root / STATS_PATH) if (self.root / STATS_PATH).is_file() else {}
+        count = on_disk.get("index", {}).get("count")
+        self._dirty = (bool(stale) or repaired or len(tasks) != len(self._tasks)
+                       or (count is not None and int(np.ravel(count)[0]) != self._frames))
         self._next_counter = max(counters) + 1
 
     def _validate(self, ep: Episode, features: Features, fps: float) -> None:
@@ -742,8 +919,10 @@ class LeRobotDatasetWriter:
                         f"videos/{key}/from_timestamp": frm, f"videos/{key}/to_timestamp": to}
                 stats[key] = _image_stats(ep.observations[key])
             else:
-                stats[key] = _array_stats(np.asarray(values[key]), f["shape"])
-        row |= {"meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0, "outcome": bool(ep.outcome),
+                stats[key] = _array_stats(np.asarray(values[key]), f["dtype"], f["shape"])
+        meta_chunk, meta_file = divmod(self._meta_counter, int(self._sizes["chunks_size"]))
+        row |= {"meta/episodes/chunk_index": meta_chunk, "meta/episodes/file_index": meta_file,
+                "outcome": bool(ep.outcome),
                 "task_id": ep.task_id, "seed": None if ep.seed is None else int(ep.seed),
                 "policy_version": ep.policy_version, "complete": bool(ep.complete),
                 "steps_to_success": ep.steps_to_success, "intervened": ep.intervened}
@@ -752,10 +931,22 @@ class LeRobotDatasetWriter:
         self._new_rows.append(row)
         self._new_stats.append(stats)
 
-    def _write_meta(self, rows: list[dict[str, Any]], tasks: list[str], stats: Stats) -> None:
+    def _write_meta(self, rows: list[dict[str, Any]], session_rows: list[dict[str, Any]], tasks: list[str],
+                    stats: Stats, with_source: bool = False) -> None:
+        """The metadata of a commit. Episode rows go to this session's own meta/episodes file (earlier files, which
+        may be LeRobot's, are never rewritten); its rows are `session_rows`, and no rows means no file."""
         assert self._features is not None
-        _atomic_write(self.root / KINEMA_PATH, self._kinema_json())
-        _atomic_write(self.root / EPISODES_PATH, pa.Table.from_pylist(rows, schema=_episodes_schema(self._features)))
+        _atomic_write(self.root / KINEMA_PATH, self._kinema_json(with_source))
+        if not self._row_extras:
+            extras = [r for r in rows if "outcome" in r]
+            _atomic_write(self.root / KINEMA_EPISODES_PATH, pa.Table.from_pylist(extras, schema=_extras_schema()))
+        meta_chunk, meta_file = divmod(self._meta_counter, int(self._sizes["chunks_size"]))
+        path = self.root / EPISODES_DIR_PATH.format(chunk_index=meta_chunk, file_index=meta_file)
+        schema = _episodes_schema(self._features, extras=self._row_extras)
+        if session_rows:
+            _atomic_write(path, pa.Table.from_pylist(session_rows, schema=schema))
+        else:
+            path.unlink(missing_ok=True)
         _atomic_write(self.root / TASKS_PATH, _tasks_table(tasks))
         _atomic_write(self.root / STATS_PATH, _stats_to_json(stats))
 
@@ -851,10 +1042,109 @@ def load_stats(root: str | Path) -> Stats:
     """
     root = Path(root)
     info = load_info(root)
+    features = info["features"]
     stats = _load_json(root / STATS_PATH) if (root / STATS_PATH).is_file() else None
     count = (stats or {}).get("index", {}).get("count")
     if stats is None or (count is not None and int(np.ravel(count)[0]) != int(info["total_frames"])):
         rows = _read_episode_rows(root, int(info["total_episodes"]), with_stats=True)
-        stats = _stats_to_json(_aggregate_stats([_stats_from_row(r) for r in rows])) if rows else {}
+        per_episode = [_stats_from_row(r) for r in rows]
+        per_episode = [st if _stats_layout_ok(features, st) else _reduce_legacy_stats(features, st)
+                       for st in per_episode]
+        stats = _aggregate_stats(per_episode) if rows else {}
+    elif not _stats_layout_ok(features, stats):  # written before STATS_LAYOUT: per element
+        stats = _reduce_legacy_stats(features, stats)
     return {k: {s: np.atleast_1d(np.asarray(v, dtype=np.int64 if s == "count" else np.float32)) for s, v in st.items()}
             for k, st in stats.items()}
+
+
+# ------------------------------------------------------------------------------------------------------------ upgrade
+@dataclass
+class UpgradeReport:
+    """What `upgrade_dataset` did: `rewritten` lists the files replaced (relative paths), empty when none was."""
+
+    root: Path
+    rewritten: list[str]
+    episodes: int
+    is_kinema: bool
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.rewritten)
+
+
+def upgrade_dataset(root: str | Path) -> UpgradeReport:
+    """Migrate a kinema dataset written before STATS_LAYOUT to LeRobot's stats convention (see the stats section).
+
+    Per-episode stats of non-camera features are recomputed exactly from the data files (camera stats already had
+    LeRobot's shape and are kept); meta/stats.json is pooled again; meta/kinema.json gets the canonical step shapes
+    and `stats_layout`. Data and video files are never touched. All new contents are computed before anything is
+    written; each file is then replaced atomically (temp file, fsync, rename), episodes files first and kinema.json
+    last, as the marker that the upgrade finished. A crash in between leaves every file whole, either in the old or in
+    the new layout, both of which kinema reads; running the upgrade again finishes it. Idempotent.
+    """
+    root = Path(root)
+    info = load_info(root)
+    is_kinema = (root / KINEMA_PATH).is_file()
+    fd = None
+    if fcntl is not None:
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise RuntimeError(f"{root} is being written by another writer (process)") from None
+    try:
+        rewritten = _upgrade_locked(root)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return UpgradeReport(root, rewritten, int(info["total_episodes"]), is_kinema)
+
+
+def _upgrade_locked(root: Path) -> list[str]:
+    """upgrade_dataset without the lock (the writer holds it); returns the files rewritten."""
+    if not (root / KINEMA_PATH).is_file() or not (root / INFO_PATH).is_file():
+        return []  # LeRobot's own datasets follow its convention already; an incomplete one has nothing to migrate
+    kinema = _load_json(root / KINEMA_PATH)
+    if kinema.get("stats_layout") == STATS_LAYOUT:
+        return []
+    for path in root.rglob(f"*{_TMP}"):  # what an interrupted upgrade left
+        path.unlink(missing_ok=True)
+    info = load_info(root)
+    features, total = info["features"], int(info["total_episodes"])
+    payloads: list[tuple[Path, Any]] = []
+    rows: list[dict[str, Any]] = []
+    reader: LeRobotDatasetReader | None = None
+    for path in _episode_files(root):
+        table = pq.read_table(path)
+        fields = []
+        for field in table.schema:
+            key, _, stat = field.name[len("stats/"):].rpartition("/")
+            new_type = (_stats_arrow_type(features[key], stat) if field.name.startswith("stats/") and key in features
+                        else field.type)
+            fields.append(pa.field(field.name, new_type))
+        file_rows = [r for r in table.to_pylist() if r["episode_index"] < total]
+        schema = pa.schema(fields)
+        if schema.equals(table.schema) and len(file_rows) == table.num_rows:
+            rows += file_rows
+            continue
+        reader = reader or LeRobotDatasetReader(root)
+        for row in file_rows:
+            frames = reader._frames_of(reader.meta.episodes[row["episode_index"]])
+            for key, f in features.items():
+                if f["dtype"] in ("video", "image") or key not in frames.column_names:
+                    continue
+                values = _from_arrow(frames.column(key), [int(np.prod(f["shape"]))])
+                row |= {f"stats/{key}/{s}": v.tolist() for s, v in _array_stats(values, f["dtype"], f["shape"]).items()}
+        rows += file_rows
+        payloads.append((path, pa.Table.from_pylist(file_rows, schema=schema)))
+    rows.sort(key=lambda r: r["episode_index"])
+    if [r["episode_index"] for r in rows] != list(range(total)):
+        raise ValueError(f"dataset {root} is corrupt: meta/episodes does not hold episodes 0..{total - 1}")
+    stats = _aggregate_stats([_stats_from_row(r) for r in rows]) if rows else {}
+    payloads.append((root / STATS_PATH, _stats_to_json(stats)))
+    standard = _kinema_json(_step_shapes_for(root, features))  # other keys (`sources`) are kept, as the writer does
+    payloads.append((root / KINEMA_PATH, {k: v for k, v in kinema.items() if k not in standard} | standard))
+    for path, payload in payloads:
+        _atomic_write(path, payload)
+    return [str(path.relative_to(root)) for path, _ in payloads]
