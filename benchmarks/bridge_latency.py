@@ -14,14 +14,27 @@ other side. In the same run:
 3. bridge, timer-triggered (what `kinema deploy` runs): the node ticks on its own 200 Hz clock and commands from the
    latest state. The age of the answered state when its command arrives includes the wait for the next tick (up to
    one period, `timer_period_ms`), so it is reported as it is, with its ratio to raw p99;
-4. loss: commands the node published minus commands received, over the timer-triggered 200 Hz run (60 s; 30 s in
-   --quick, or 20 s when the run so far leaves no room for 30 s under a minute: see `loss_seconds`);
+4. loss: commands the node published minus commands received, over the timer-triggered 200 Hz run (`loss_seconds`:
+   60 s; 10 s in --quick);
 5. image: 640x480 rgb8 Image round trip through the echo node (best-effort camera QoS, as cameras use);
-6. interop (where rclpy is importable, else null): JointState ping-pong RTT at 50 Hz between this process's DDS
-   backend (CycloneDDS) and an echo that is a real ROS 2 node (the rclpy backend on rclpy's default rmw, Fast DDS),
-   pinned to loopback like the rest: the DDS backend talking to ROS 2 as a robot's drivers run it.
+6. interop (where rclpy is importable, else null), against a child that is a real ROS 2 node (kinema's rclpy backend
+   on rclpy's default rmw, Fast DDS), pinned to loopback like the rest:
+   - JointState ping-pong RTT at 50 Hz from this process's DDS backend (CycloneDDS) through that node;
+   - the interop stream, over the loss window: commands (Float64MultiArray, 9 values, reliable keep-last 10, the
+     command topic's QoS) from the DDS backend to the ROS 2 node at 200 Hz, and joint states back at 200 Hz, both
+     sent as deploy's timer ticks (a late tick re-anchors the clock, never a burst); published, received, lost per
+     direction, the first indices lost, and each direction's longest gap between arrivals (a receiver that stalls
+     for more than 10 periods may lose samples from its keep-last-10 queue, on any DDS);
+   - rclpy column: the same ping-pong with kinema's rclpy backend on both sides (in this process, once its DDS
+     transport is closed: see main);
+7. rclpy bridge (where rclpy is importable): 2. with the policy node and this process on kinema's rclpy backend, at
+   50 and 200 Hz (200 Hz only in --quick, 3 s): its overhead above the rclpy raw p99 measured alongside.
 
-Targets: overhead p99 <= 2 ms, 0 commands lost at 200 Hz, image round trip p99 <= 10 ms. Last line: one JSON object.
+--quick keeps the whole run near a minute on 2 cores (`phase_seconds` says where the time went): 80 images, 4 s per
+DDS bridge rate, 10 s loss windows (30 s for DDS alone before 6. and 7. were added), one rclpy bridge rate.
+
+Targets: overhead p99 <= 2 ms, 0 commands lost at 200 Hz (DDS to DDS, and DDS to ROS 2), image round trip p99
+<= 10 ms. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from typing import Any
 import numpy as np
 
 PING, PONG, IMAGE, IMAGE_ECHO = "/bench/ping", "/bench/pong", "/bench/image", "/bench/image_echo"
+INTEROP_COMMANDS, INTEROP_STATES = "/bench/interop/commands", "/bench/interop/joint_states"
 
 
 def bench_robot(rate_hz: float):
@@ -49,12 +63,13 @@ def bench_robot(rate_hz: float):
 
 
 # ----- the other side (child process) -------------------------------------------------------------------------------
-def serve(role: str, rate_hz: float, conn, trigger: str = "state") -> None:
+def serve(role: str, rate_hz: float, conn, trigger: str = "state", backend: str | None = None) -> None:
     from robot import messages as msg
     from robot.transport import QOS_SENSOR, make_transport
 
-    # rclpy_echo: the echo as a real ROS 2 node (rclpy, on its default rmw), for the interop measurement.
-    backend = "rclpy" if role == "rclpy_echo" else "dds"
+    # rclpy_echo: the echo as a real ROS 2 node (rclpy, on its default rmw), for the interop measurements; a bridge
+    # runs on the DDS backend unless told otherwise.
+    backend = backend or ("rclpy" if role == "rclpy_echo" else "dds")
     transport = make_transport(backend, node_name=f"bench_{role}", local=True)
     stats: dict[str, Any] = {}
     node = None
@@ -62,6 +77,8 @@ def serve(role: str, rate_hz: float, conn, trigger: str = "state") -> None:
     # the same moments, between the same two processes, under the same load.
     pong = transport.publisher(PONG, msg.JointState)
     transport.subscribe(PING, msg.JointState, pong.publish)
+    commands: list[int] = []  # interop stream: the indices of the commands received, in arrival order
+    arrivals: list[float] = []  # and when each arrived
     if role == "echo":
         image_echo = transport.publisher(IMAGE_ECHO, msg.Image, QOS_SENSOR)
         transport.subscribe(IMAGE, msg.Image, image_echo.publish, QOS_SENSOR)
@@ -71,8 +88,35 @@ def serve(role: str, rate_hz: float, conn, trigger: str = "state") -> None:
         node = PolicyNode(transport, bench_robot(rate_hz), ConstantPolicy(HOLD_STILL), "hold still", trigger=trigger,
                           status_period_s=3600)
         node.start()
+    elif role == "rclpy_echo":
+        # The robot's side of the interop stream (see interop_stream): commands in, joint states out.
+        names = bench_robot(rate_hz).command_joint_names
+        states = transport.publisher(INTEROP_STATES, msg.JointState)
+
+        def on_command(m: msg.Float64MultiArray) -> None:
+            k = int(round(m.data[0]))
+            if k < 0:  # a warm-up command: acknowledged, so the other side knows both directions are up
+                states.publish(msg.JointState(name=names, position=np.r_[float(k), np.zeros(len(names) - 1)]))
+            else:
+                arrivals.append(time.perf_counter())
+                commands.append(k)
+
+        transport.subscribe(INTEROP_COMMANDS, msg.Float64MultiArray, on_command)
     conn.send("ready")
-    conn.recv()  # "stop"
+    while (request := conn.recv()) != "stop":
+        if request[0] == "states":  # ("states", n, hz): n joint states at hz, then how many went out
+            _, n, hz = request
+            late = ticked(hz, n, lambda k: states.publish(
+                msg.JointState(name=names, position=np.r_[float(k), np.zeros(len(names) - 1)])))
+            conn.send((n, late))
+        elif request[0] == "count":  # the commands received so far: all, distinct, in order
+            _, n = request
+            missing = sorted(set(range(n)) - set(commands))
+            conn.send({"received": len(commands), "distinct": len(set(commands)),
+                       "in_order": all(a < b for a, b in zip(commands, commands[1:])), "missing": missing[:20],
+                       "max_gap_s": max(np.diff(arrivals), default=0.0)})
+            commands.clear()
+            arrivals.clear()
     if node is not None:
         node.close()
         stats = {"published": node.stats["commands_published"], "ticks": node.tick_count, "safety": dict(node.safety.counters)}
@@ -81,10 +125,11 @@ def serve(role: str, rate_hz: float, conn, trigger: str = "state") -> None:
 
 
 class Child:
-    def __init__(self, role: str, rate_hz: float = 200.0, trigger: str = "state") -> None:
+    def __init__(self, role: str, rate_hz: float = 200.0, trigger: str = "state", backend: str | None = None) -> None:
         ctx = mp.get_context("spawn")
+        self.role = role
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(role, rate_hz, child_conn, trigger), daemon=True)
+        self.proc = ctx.Process(target=serve, args=(role, rate_hz, child_conn, trigger, backend), daemon=True)
         self.proc.start()
         try:
             ready = self.conn.poll(60) and self.conn.recv() == "ready"
@@ -99,6 +144,11 @@ class Child:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(timeout=10)
+
+    def reply(self, timeout: float = 30.0) -> Any:
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"benchmark {self.role} process did not answer within {timeout} s")
+        return self.conn.recv()
 
     def stop(self) -> dict[str, Any]:
         try:
@@ -120,6 +170,23 @@ def paced(rate_hz: float, n: int, fn) -> None:
         if delay > 0:
             time.sleep(delay)
         fn(k)
+
+
+def ticked(rate_hz: float, n: int, fn) -> int:
+    """`fn(k)` for k < n at `rate_hz` as the policy node's timer ticks (what `deploy` publishes commands on): a late
+    tick runs at once and the clock re-anchors on it, never a burst to catch up. Returns the number of late ticks."""
+    period, late = 1.0 / rate_hz, 0
+    next_t = time.perf_counter()
+    for k in range(n):
+        delay = next_t - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        elif k > 0:
+            late += 1
+            next_t = time.perf_counter()
+        fn(k)
+        next_t += period
+    return late
 
 
 def wait_for(predicate, timeout: float, poke=None) -> bool:
@@ -201,6 +268,62 @@ def ping_rtt(transport, n: int, rate_hz: float) -> tuple[list[float], int]:
     return rtts, (len(sent) if answered else n)
 
 
+def interop_stream(transport, peer: Child, n: int, rate_hz: float) -> dict[str, Any] | None:
+    """Both directions at once across the interop boundary, `n` messages each way at `rate_hz`: this process's
+    transport publishes commands (Float64MultiArray, one value per joint, reliable keep-last 10: the command topic's
+    QoS) to `peer` (a ROS 2 node), which publishes joint states back. After a warm-up (commands until the peer
+    acknowledges one, so that both directions are matched), then counts per direction; None if the peer never
+    answered."""
+    from robot import messages as msg
+
+    names = bench_robot(rate_hz).command_joint_names
+    acks: list[int] = []
+    states: list[int] = []
+    arrivals: list[float] = []
+
+    def on_state(m: msg.JointState) -> None:
+        k = int(round(m.position[0]))
+        if k < 0:
+            acks.append(k)
+        else:
+            arrivals.append(time.perf_counter())
+            states.append(k)
+
+    def command(k: int) -> msg.Float64MultiArray:
+        return msg.Float64MultiArray(data=np.r_[float(k), np.zeros(len(names) - 1)])
+
+    sub = transport.subscribe(INTEROP_STATES, msg.JointState, on_state)
+    pub = transport.publisher(INTEROP_COMMANDS, msg.Float64MultiArray)
+    warm = iter(range(-1, -(10**6), -1))
+    try:
+        if not wait_for(lambda: bool(acks), 30, poke=lambda: pub.publish(command(next(warm)))):
+            return None
+        time.sleep(0.2)  # the other warm-up acknowledgements drain
+        peer.conn.send(("states", n, rate_hz))  # the peer's states start as this process's commands do
+        t0 = time.perf_counter()
+        late = ticked(rate_hz, n, lambda k: pub.publish(command(k)))
+        seconds = time.perf_counter() - t0
+        states_published, states_late = peer.reply(30 + n / rate_hz)
+        time.sleep(0.5)  # let the last ones arrive before counting
+        peer.conn.send(("count", n))
+        counts = peer.reply()
+    finally:
+        sub.close()
+        pub.close()
+    return {
+        "commands_published": n, "commands_received": counts["distinct"], "commands_lost": n - counts["distinct"],
+        "commands_duplicated": counts["received"] - counts["distinct"], "commands_in_order": counts["in_order"],
+        "states_published": states_published, "states_received": len(set(states)),
+        "states_lost": states_published - len(set(states)),
+        "commands_missing": counts["missing"], "states_missing": sorted(set(range(states_published)) - set(states))[:20],
+        "commands_late_ticks": late, "states_late_ticks": states_late, "seconds": round(seconds, 2),
+        # the longest wait between two arrivals, per direction: a receiver that stalls for more than `depth`
+        # periods (10 x 5 ms, keep-last 10) may lose samples
+        "commands_max_gap_ms": round(counts["max_gap_s"] * 1e3, 1),
+        "states_max_gap_ms": round(max(np.diff(arrivals), default=0.0) * 1e3, 1),
+    }
+
+
 def rclpy_importable() -> bool:
     try:
         import rclpy  # noqa: F401
@@ -209,9 +332,9 @@ def rclpy_importable() -> bool:
     return True
 
 
-def bridge_run(transport, rate_hz: float, seconds: float, trigger: str = "state") -> dict[str, Any]:
-    """States at `rate_hz` to a fresh policy node process (ticking on each state, or on its own `rate_hz` timer);
-    per state, the latency of the first command answering it."""
+def bridge_run(transport, rate_hz: float, seconds: float, trigger: str = "state", backend: str = "dds") -> dict[str, Any]:
+    """States at `rate_hz` to a fresh policy node process on `backend` (ticking on each state, or on its own
+    `rate_hz` timer); per state, the latency of the first command answering it."""
     from robot import messages as msg
     from robot.kinematics import ActionMapper
     from robot.policy_node import HOLD_STILL
@@ -252,7 +375,7 @@ def bridge_run(transport, rate_hz: float, seconds: float, trigger: str = "state"
         if k in pinged and k >= warm:
             raw.append(t - pinged.pop(k))
 
-    child = Child("bridge", rate_hz, trigger)
+    child = Child("bridge", rate_hz, trigger, backend)
     try:
         sub = transport.subscribe(robot.controller.commands_topic, msg.Float64MultiArray, on_command)
         pong_sub = transport.subscribe(PONG, msg.JointState, on_pong)
@@ -307,37 +430,76 @@ def main() -> None:
     from robot.transport import make_transport
 
     q = args.quick
-    image_n = 100 if q else 300
+    # --quick keeps the whole run near a minute on 2 cores: image 80 frames (4 s), DDS bridges 4 s per rate, the loss
+    # windows 10 s, and the rclpy bridge at 200 Hz only, 3 s.
+    image_n = 80 if q else 300
     interop_n = 100 if q else 500  # pings at 50 Hz: 2 s or 10 s
-    seconds_50, seconds_200 = (5.0, 5.0) if q else (20.0, 20.0)
-    budget_s = 60.0  # --quick's promise
+    seconds_50, seconds_200 = (4.0, 4.0) if q else (20.0, 20.0)
+    # The loss windows at 200 Hz, DDS to DDS and DDS to ROS 2 alike.
+    loss_seconds = 10.0 if q else 60.0
+    # The rclpy backend's own bridge (policy node and this process both on rclpy), state-triggered as the DDS one.
+    rclpy_rates, rclpy_seconds = ((200.0,), 3.0) if q else ((50.0, 200.0), 20.0)
     t_start = time.perf_counter()
+    phases: dict[str, float] = {}
+
+    def phase(name: str, t0: float) -> None:
+        phases[name] = round(time.perf_counter() - t0, 1)
+
     transport = make_transport("dds", node_name="bench_robot", local=True)
+    interop: tuple[list[float], int] | None = None
+    stream: dict[str, Any] | None = None
+    rclpy_ping: tuple[list[float], int] | None = None
+    rclpy_bridges: dict[float, dict[str, Any]] = {}
+    interop_note = None if rclpy_importable() else "rclpy not installed (pip install 'kinema[rclpy]')"
     try:
+        t0 = time.perf_counter()
         echo = Child("echo")
         try:
             images, image_sent_unanswered = image_rtt(transport, image_n, 20.0)
         finally:
             echo.stop()
+        phase("image", t0)
+        t0 = time.perf_counter()
         b50 = bridge_run(transport, 50.0, seconds_50)
+        phase("bridge_50hz", t0)
+        t0 = time.perf_counter()
         b200 = bridge_run(transport, 200.0, seconds_200)
-        # The loss window: 30 s in --quick when it still fits under a minute (a second of warm-up, ~1.5 s of process
-        # start and wind-down, 2 s of slack), else 20 s.
-        elapsed = time.perf_counter() - t_start
-        loss_seconds = 60.0 if not q else (30.0 if elapsed + 30.0 + 4.5 <= budget_s else 20.0)
+        phase("bridge_200hz", t0)
+        t0 = time.perf_counter()
         timer = bridge_run(transport, 200.0, loss_seconds, trigger="timer")
-        # Last, so that it never shortens the loss window; in --quick only when it still fits under a minute
-        # (~2 s of pings, ~2 s to start the rclpy process, 1 s of slack).
-        interop: tuple[list[float], int] | None = None
-        interop_note = None if rclpy_importable() else "rclpy not installed (pip install 'kinema[rclpy]')"
-        if interop_note is None and q and time.perf_counter() - t_start + 5.0 > budget_s:
-            interop_note = "skipped in --quick: no room left under a minute"
+        phase("timer_loss", t0)
         if interop_note is None:
-            ros_echo = Child("rclpy_echo")
+            # One real ROS 2 node (rclpy, default rmw: Fast DDS) for the DDS-to-ROS 2 ping-pong and stream, and as the
+            # echo of the rclpy-to-rclpy ping-pong (this process's second transport: kinema's rclpy backend).
+            t0 = time.perf_counter()
+            ros: Child | None = Child("rclpy_echo")
+            local_ros = None
             try:
                 interop = ping_rtt(transport, interop_n, 50.0)
+                phase("interop_ping", t0)
+                t0 = time.perf_counter()
+                stream = interop_stream(transport, ros, int(loss_seconds * 200), 200.0)
+                phase("interop_stream", t0)
+                t0 = time.perf_counter()
+                # This process's Cyclone participant goes first: a Fast DDS participant made in a process whose
+                # Cyclone participant has had endpoints sometimes never discovers another Fast DDS participant's
+                # endpoints (Fast DDS logs "Error registering remote type: Inconsistent TypeObject"; 2 of 8 trials;
+                # 0 of 8 with Cyclone closed first, 0 of 6 with Cyclone in another process).
+                transport.close()
+                local_ros = make_transport("rclpy", node_name="bench_robot_rclpy", local=True)
+                rclpy_ping = ping_rtt(local_ros, interop_n, 50.0)
+                phase("rclpy_ping", t0)
+                ros.stop()  # before the rclpy bridges: its echo would answer their pings too
+                ros = None
+                t0 = time.perf_counter()
+                for hz in rclpy_rates:
+                    rclpy_bridges[hz] = bridge_run(local_ros, hz, rclpy_seconds, backend="rclpy")
+                phase("rclpy_bridges", t0)
             finally:
-                ros_echo.stop()
+                if ros is not None:
+                    ros.stop()
+                if local_ros is not None:
+                    local_ros.close()
     finally:
         transport.close()
 
@@ -352,6 +514,14 @@ def main() -> None:
     }
     worst = max((hz for hz in over if over[hz] is not None), key=lambda hz: over[hz], default=None)
     worst_run = {50: b50, 200: b200}.get(worst)
+    rb50, rb200 = rclpy_bridges.get(50.0), rclpy_bridges.get(200.0)
+    rclpy_over = {
+        hz: None if not b or not b["raw"] or not b["latencies"] else round(pct(b["latencies"], 99) - pct(b["raw"], 99), 3)
+        for hz, b in ((50, rb50), (200, rb200))
+    }
+    rclpy_measured = [rclpy_over[int(hz)] for hz in rclpy_rates] if rclpy_bridges else [None]
+    if interop_note is None and interop is not None and stream is None:
+        interop_note = "the ROS 2 node never acknowledged a warm-up command within 30 s: no interop stream"
     result = {
         "benchmark": "bridge_latency",
         "quick": q,
@@ -401,15 +571,48 @@ def main() -> None:
         "interop_rtt_p50_ms": None if interop is None else pct(interop[0], 50),
         "interop_rtt_p99_ms": None if interop is None else pct(interop[0], 99),
         "interop_pings_lost": None if interop is None else interop[1],
+        # The interop stream at 200 Hz over the loss window: commands DDS backend -> ROS 2 node, joint states back.
+        "interop_stream_seconds": None if stream is None else loss_seconds,
+        "interop_commands_published": None if stream is None else stream["commands_published"],
+        "interop_commands_received": None if stream is None else stream["commands_received"],
+        "interop_commands_lost": None if stream is None else stream["commands_lost"],
+        "interop_commands_duplicated": None if stream is None else stream["commands_duplicated"],
+        "interop_commands_in_order": None if stream is None else stream["commands_in_order"],
+        "interop_states_published": None if stream is None else stream["states_published"],
+        "interop_states_received": None if stream is None else stream["states_received"],
+        "interop_states_lost": None if stream is None else stream["states_lost"],
+        # the first 20 indices lost, per direction (where in the stream: start, middle, end)
+        "interop_commands_missing": None if stream is None else stream["commands_missing"],
+        "interop_states_missing": None if stream is None else stream["states_missing"],
+        "interop_commands_max_gap_ms": None if stream is None else stream["commands_max_gap_ms"],
+        "interop_states_max_gap_ms": None if stream is None else stream["states_max_gap_ms"],
+        "interop_late_ticks": None if stream is None else [stream["commands_late_ticks"], stream["states_late_ticks"]],
         "interop_note": interop_note,
-        "targets": {"overhead_p99_ms": 2.0, "commands_lost": 0, "image_rtt_p99_ms": 10.0},
+        # kinema's rclpy backend on both sides (this process and a ROS 2 node in another): the same ping-pong, then
+        # the policy node on rclpy (state-triggered, as the DDS bridge runs above), overhead above the rclpy raw p99.
+        "rclpy_rtt_samples": None if rclpy_ping is None else len(rclpy_ping[0]),
+        "rclpy_rtt_p50_ms": None if rclpy_ping is None else pct(rclpy_ping[0], 50),
+        "rclpy_rtt_p99_ms": None if rclpy_ping is None else pct(rclpy_ping[0], 99),
+        "rclpy_pings_lost": None if rclpy_ping is None else rclpy_ping[1],
+        "rclpy_bridge_seconds": rclpy_seconds if rclpy_bridges else None,
+        "rclpy_bridge_rates_hz": [int(hz) for hz in rclpy_bridges] or None,
+        "rclpy_raw_rtt_50hz_p99_ms": pct(rb50["raw"], 99) if rb50 else None,
+        "rclpy_raw_rtt_200hz_p99_ms": pct(rb200["raw"], 99) if rb200 else None,
+        "rclpy_bridge_50hz_p50_ms": pct(rb50["latencies"], 50) if rb50 else None,
+        "rclpy_bridge_50hz_p99_ms": pct(rb50["latencies"], 99) if rb50 else None,
+        "rclpy_bridge_200hz_p50_ms": pct(rb200["latencies"], 50) if rb200 else None,
+        "rclpy_bridge_200hz_p99_ms": pct(rb200["latencies"], 99) if rb200 else None,
+        "rclpy_overhead_50hz_p99_ms": rclpy_over[50],
+        "rclpy_overhead_200hz_p99_ms": rclpy_over[200],
+        "rclpy_overhead_p99_ms": None if None in rclpy_measured else max(rclpy_measured),
+        "rclpy_states_unanswered": None if not rclpy_bridges else sum(b["states"] - b["answered"] for b in rclpy_bridges.values()),
+        "phase_seconds": phases,
+        "targets": {"overhead_p99_ms": 2.0, "commands_lost": 0, "interop_commands_lost": 0, "image_rtt_p99_ms": 10.0},
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "seconds": round(time.perf_counter() - t_start, 1),
     }
-    if q and loss_seconds < 30.0:
-        result["loss_seconds_note"] = "20 s, not 30: the runs before it left no room for 30 s under a minute"
     print(json.dumps(result))
 
 

@@ -21,6 +21,7 @@ pytest.importorskip("cyclonedds")
 
 from robot import messages as msg  # noqa: E402
 from robot.config import load_robot_config  # noqa: E402
+from robot.transport.loopback import loopback_environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ROBOT = load_robot_config("sim_panda")
@@ -38,6 +39,16 @@ class Processes:
         out = open(self.tmp / f"{name}.out", "w")
         err = open(self.tmp / f"{name}.err", "w")
         proc = subprocess.Popen([sys.executable, "-m", "kinema.cli", *args], cwd=ROOT, env=self.env, stdout=out, stderr=err)
+        self.procs.append((name, proc, out, err))
+        return proc
+
+    def start_script(self, name: str, script: Path, *args: str) -> subprocess.Popen:
+        """A plain Python script (a ROS 2 node of the robot's own, say), pinned to loopback like everything here; a
+        line "stop" on its stdin ends it."""
+        out = open(self.tmp / f"{name}.out", "w")
+        err = open(self.tmp / f"{name}.err", "w")
+        proc = subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=loopback_environment(self.env),
+                                stdin=subprocess.PIPE, stdout=out, stderr=err, text=True)
         self.procs.append((name, proc, out, err))
         return proc
 
@@ -66,6 +77,8 @@ class Processes:
                 proc.wait(timeout=10)
             out.close()
             err.close()
+            if proc.stdin is not None:
+                proc.stdin.close()
 
 
 @pytest.fixture
@@ -202,14 +215,19 @@ def _rclpy_importable() -> bool:
 
 
 @pytest.mark.skipif(not _rclpy_importable(), reason="rclpy not installed (no ROS 2 here): pip install 'kinema[rclpy]'")
-def test_deploy_on_dds_drives_a_sim_robot_that_is_a_real_ros2_node(procs, listener):
-    """The deployment path across the interop boundary: the robot is a real ROS 2 node (`sim-robot --backend rclpy`,
-    rclpy on its default rmw, Fast DDS) and the policy node runs on the DDS backend; joint states, camera images and
-    commands all cross between CycloneDDS and Fast DDS."""
+@pytest.mark.parametrize(
+    ("robot_backend", "policy_backend"), [("rclpy", "dds"), ("dds", "rclpy")], ids=["robot_rclpy-policy_dds", "robot_dds-policy_rclpy"],
+)
+def test_a_real_ros2_node_and_the_dds_backend_complete_an_episode_together(procs, listener, robot_backend, policy_backend):
+    """The deployment path across the interop boundary, both pairings: one side is a real ROS 2 node (rclpy on its
+    default rmw, Fast DDS), the other kinema's DDS backend (CycloneDDS). robot_rclpy-policy_dds: the robot
+    (`sim-robot --backend rclpy`) is the ROS 2 node, as a robot's drivers are; robot_dds-policy_rclpy: the policy node
+    (`deploy --backend rclpy`) is, as where ROS 2 is installed. Joint states, camera images, the instruction, success,
+    and commands all cross between CycloneDDS and Fast DDS; the listener (this process, DDS) hears the commands."""
     _, commands = listener
-    sim = procs.start("sim", "sim-robot", "--task", "drawer", "--seed", "0", "--backend", "rclpy")
+    sim = procs.start("sim", "sim-robot", "--task", "drawer", "--seed", "0", "--backend", robot_backend)
     deploy = procs.start(
-        "deploy", "deploy", "--policy", "scripted:replay:task=drawer:seed=0", "--backend", "dds",
+        "deploy", "deploy", "--policy", "scripted:replay:task=drawer:seed=0", "--backend", policy_backend,
         "--episodes", "1", "--duration", "15",
     )
     assert procs.wait(deploy, 120) == 0, procs.logs()
@@ -219,6 +237,85 @@ def test_deploy_on_dds_drives_a_sim_robot_that_is_a_real_ros2_node(procs, listen
     assert stopped["event"] == "stopped" and stopped["counters"]["commands"] > 20, stopped
     episodes = [r for r in procs.records("deploy") if r["event"] == "episode"]
     assert [e["success"] for e in episodes] == [True], procs.logs()
+    # The instruction crossed too (the sim robot publishes its task's; deploy was given none).
+    assert episodes[0]["instruction"] == "pull the top drawer open", episodes
     summary = procs.records("deploy")[-1]
     assert summary["safety"]["fault"] is False and summary["stats"]["commands_published"] > 20
+    assert len(commands) > 20  # the commands crossed to this process (DDS) too, whichever backend sent them
     assert_in_limits(commands)
+
+
+@pytest.mark.skipif(not _rclpy_importable(), reason="rclpy not installed (no ROS 2 here): pip install 'kinema[rclpy]'")
+def test_a_plain_rclpy_arm_is_driven_by_deploy_on_dds_within_the_safety_limits(procs):
+    """`kinema deploy --backend dds` drives a robot that is a plain rclpy node, as a ros2_control arm exposes itself
+    (tests/ros2_control_stand_in.py: /joint_states at 100 Hz and two cameras at 30 Hz, the rates sim_panda.yaml's 90 ms
+    timeouts are set for; it follows the forward position controller's commands at up to 2.5 rad/s).
+
+    The policy replays the drawer expert's joint targets (open loop: the stand-in has no drawer). The arm starts with
+    joint1 0.8 rad away from where the replay begins, so that the step bound must ramp it there. The stand-in sends
+    3 s of invalid joint states (a joint missing, NaN) once every endpoint has matched, then valid ones: deploy must
+    command nothing until the first valid one. 3 s: a Cyclone reader that matches a Fast DDS writer may deliver
+    only from the writer's next periodic heartbeat (every 3 s; see tests/test_robot_transport.py), and deploy has
+    to hear some invalid states for their refusal to be checked."""
+    from kinema.robot_policies import expert_joint_targets
+
+    stand_in = ROOT / "tests" / "ros2_control_stand_in.py"
+    initial = np.r_[ROBOT.home, ROBOT.gripper.open, ROBOT.gripper.open]
+    initial[0] += 0.8
+    config = {
+        "joint_names": ROBOT.command_joint_names, "initial": initial.tolist(),
+        "joint_states_topic": ROBOT.topics.joint_states, "commands_topic": ROBOT.controller.commands_topic,
+        "cameras": [{"topic": c.topic, "width": c.width, "height": c.height} for c in ROBOT.cameras],
+        "state_hz": 100.0, "camera_hz": 30.0, "max_velocity": 2.5, "invalid_s": 3.0, "max_s": 150.0,
+    }
+    arm = procs.start_script("arm", stand_in, json.dumps(config))
+    deploy = procs.start(
+        "deploy", "deploy", "--policy", "scripted:replay:task=drawer:seed=0", "--backend", "dds",
+        "--instruction", "pull the top drawer open", "--episodes", "1", "--duration", "4", "--wait-robot", "60",
+    )
+    assert procs.wait(deploy, 120) == 0, procs.logs()
+    time.sleep(0.5)  # the arm settles on the last command (it was within reach long before deploy ended)
+    arm.stdin.write("stop\n")
+    arm.stdin.flush()
+    assert procs.wait(arm, 30) == 0, procs.logs()
+    report = procs.records("arm")[-1]
+    summary = procs.records("deploy")[-1]
+    assert report["matched"], report  # Fast DDS (the arm) and CycloneDDS (deploy) found each other, every topic
+
+    # Commands arrived, every one of them, and none before the first valid state.
+    times = np.array([t for t, _ in report["commands"]])
+    commands = [np.array(c) for _, c in report["commands"]]
+    published = summary["stats"]["commands_published"]
+    assert published >= 40 and len(commands) == published, (len(commands), summary)
+    assert report["invalid_states"] >= 100 and report["first_valid_t"] is not None, report
+    assert times.min() > report["first_valid_t"], (times.min(), report["first_valid_t"])
+    # deploy heard the invalid states and refused them (the arm did not wait on an unmatched reader)
+    refused = {k: v for k, v in summary["rejected"].items() if k.startswith("joint_state_")}
+    assert refused.get("joint_state_missing_joints", 0) > 0 and refused.get("joint_state_nonfinite", 0) > 0, summary
+
+    # Safety: 9 finite values within the joint limits; no step beyond max_step, from the measured state to the first
+    # command and between commands; the step bound was what brought joint1 over (it was reached, not exceeded).
+    assert report["rejected_commands"] == 0
+    assert_in_limits(commands)
+    c = np.stack(commands)
+    steps = np.abs(np.diff(np.vstack([initial, c]), axis=0))
+    assert (steps <= ROBOT.max_step + 1e-9).all(), steps.max(axis=0)
+    assert steps[:, 0].max() == pytest.approx(ROBOT.max_step[0]), steps[:, 0]
+    assert summary["safety"]["fault"] is False and summary["safety"]["counters"].get("clipped", 0) >= 2, summary
+
+    # Tracking: the arm followed the commands: joint1 came over to the replay, joint2 rose to the replay's peak and
+    # came back down, and the arm ended where the replay ends (its last target, gripper open).
+    targets, _, _ = expert_joint_targets("drawer", 0)
+    final = np.array(report["final"])
+    trace = np.array([q for _, q in report["trace"]])
+    np.testing.assert_allclose(c[-1], final, atol=1e-6)
+    np.testing.assert_allclose(final[:7], targets[-1, :7], atol=1e-6)
+    np.testing.assert_allclose(final[7:], ROBOT.gripper.open, atol=1e-6)
+    assert abs(final[0] - initial[0]) > 0.75
+    assert trace[:, 1].max() > targets[:, 1].max() - 0.05, (trace[:, 1].max(), targets[:, 1].max())
+    # And it was at its setpoint most of the time: the median distance to the latest command, over the states since
+    # the first command, is small (the ramp of joint1 and the replay's motion take about 1.5 s of the 4).
+    state_times = np.array([t for t, _ in report["trace"]])
+    latest = np.searchsorted(times, state_times, side="right") - 1
+    error = np.abs(trace[latest >= 0] - c[latest[latest >= 0]]).max(axis=1)
+    assert np.median(error) < 0.02, np.percentile(error, [50, 90, 100])
