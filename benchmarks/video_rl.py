@@ -18,15 +18,19 @@ The toy, with a known answer:
   machine is shared, and another process on the other core must not count against a method. Evaluation is
   excluded from the budget;
 - evaluation: CFG-free samples at fixed noise every few rounds: the mean reward and the diversity (mean pairwise
-  RMS distance between the samples of one prompt).
+  RMS distance between the samples of one prompt), and a held-out judge on the same samples (`PositionJudge`: a
+  conv net fitted to the square's true centre on toy clips of another seed, not the reward's formula; never used in
+  training; fitted outside the budgets).
 
 Reported: reward against training CPU seconds per method; time to the target reward (start + half the gap to
 the known maximum, `--target-fraction`; a trailing mean of two evaluations must reach it) and the best method's
 ratio to Flow-GRPO's (Flow-GRPO's whole budget when even its longer budget does not get there: the ratio is then
 a lower bound, `speedup_is_lower_bound`), and the same at targets 25 / 50 / 75 % of the gap
 (`speedup_by_target_fraction`: how much the headline depends on where the target sits); the time each method took
-to reach Flow-GRPO's reward at the end of the common budget, and that ratio; diversity relative to the start; peak
-RSS. The last line is one JSON object.
+to reach Flow-GRPO's reward at the end of the common budget, and that ratio; diversity relative to the start; each
+method's gain by the reward and by the held-out judge (`reward_gain`, `judge_gain`, `hacking_gap` = their
+difference: the reward-hacking signal), and the judge's agreement with the ground truth on clips nobody trained on
+(`judge`); peak RSS. The last line is one JSON object.
 
     PYTHONPATH=. python benchmarks/video_rl.py --quick     # < 1 minute on an idle machine (a smoke run)
     PYTHONPATH=. python benchmarks/video_rl.py             # the comparison (~12 minutes of CPU)
@@ -70,9 +74,11 @@ MIN_DIVERSITY = 0.5  # diversity_ratio (final / initial within-prompt diversity)
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def square_clips(n: int, *, frames: int, size: int, seed: int) -> tuple[Tensor, list[str]]:
-    """n clips (n, F, 3, S, S) in [0, 1] of a square moving at a random horizontal speed, and their prompts."""
+def square_clips(n: int, *, frames: int, size: int, seed: int, centres: bool = False):
+    """n clips (n, F, 3, S, S) in [0, 1] of a square moving at a random horizontal speed, and their prompts
+    [, and the true horizontal centre of the square per frame, as a fraction of the width (n, F)]."""
     rng = np.random.default_rng(seed)
+    truth = np.empty((n, frames), np.float32)
     scale = size / 32.0
     side = max(3, size // 4)
     names = list(COLOURS)
@@ -89,11 +95,14 @@ def square_clips(n: int, *, frames: int, size: int, seed: int) -> tuple[Tensor, 
         y0 = rng.uniform(0, size - side - abs(vy) * (frames - 1)) + (abs(vy) * (frames - 1) if vy < 0 else 0.0)
         for f in range(frames):
             x, y = x0 + vx * f, y0 + vy * f
+            truth[i, f] = (x + side / 2) / size
             # Anti-aliased edges: coverage of each pixel by the square, so sub-pixel motion is visible.
             cover = np.clip(np.minimum(xs + 1 - x, x + side - xs), 0, 1) * np.clip(np.minimum(ys + 1 - y, y + side - ys), 0, 1)
             for c in range(3):
                 videos[i, f, c] = bg * (1 - cover) + COLOURS[colour][c] * cover
         prompts.append(f"a {colour} square")
+    if centres:
+        return torch.from_numpy(videos), prompts, torch.from_numpy(truth)
     return torch.from_numpy(videos), prompts
 
 
@@ -127,6 +136,93 @@ class PositionTarget(VideoReward):
 REWARDS.setdefault("position", PositionTarget)  # by name, as a user's reward can be: configs check their reward names
 
 
+class PositionJudge(VideoReward):
+    """The held-out judge of the toy: the same target, −mean over frames of |ĉ_x − x*|, but ĉ_x comes from a learned
+    model, not the reward's formula: a small conv net regressing the square's true horizontal centre per frame,
+    fitted on toy clips disjoint from the generator's (another seed) with their ground-truth centres.
+
+    It shares no code path with `PositionTarget` (no median, no 4th-power weights), so a sample that buys the
+    formula without a square at x* (a streak, a blob the median misreads) does not buy the judge as well; each
+    frame is standardised per channel and the fit sees random tints, so a global tint does not move it either."""
+
+    names = ("position",)
+    differentiable = False
+
+    def __init__(self, size: int, target_fraction: float = 0.8, *, seed: int = 0) -> None:
+        self.target_fraction = target_fraction
+        g = torch.Generator().manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+            self.net = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 16, 3, stride=2, padding=1), torch.nn.GELU(),
+                torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.GELU(),
+                torch.nn.Flatten(), torch.nn.Linear(32 * (size // 4) ** 2, 64), torch.nn.GELU(), torch.nn.Linear(64, 1),
+            )  # fmt: skip
+        self.net.eval()
+
+    @staticmethod
+    def _standardise(frames: Tensor) -> Tensor:
+        mean = frames.mean(dim=(-2, -1), keepdim=True)
+        return (frames - mean) / (frames.std(dim=(-2, -1), keepdim=True, correction=0) + 0.02)
+
+    def centres(self, videos: Tensor) -> Tensor:
+        """Predicted horizontal centre per frame, as a fraction of the width: (B, F)."""
+        B, F = videos.shape[:2]
+        return torch.sigmoid(self.net(self._standardise(videos.flatten(0, 1).float()))).view(B, F)
+
+    def fit(self, videos: Tensor, centres: Tensor, *, steps: int, seed: int, batch_size: int = 64, lr: float = 2e-3) -> float:
+        """MSE on the true centres of single frames, each with a random per-channel gain and offset; final loss."""
+        g = torch.Generator().manual_seed(seed)
+        frames, target = videos.flatten(0, 1), centres.flatten()
+        opt = torch.optim.Adam(self.net.parameters(), lr=lr)
+        self.net.train()
+        loss = torch.tensor(float("nan"))
+        for _ in range(steps):
+            idx = torch.randint(0, len(frames), (batch_size,), generator=g)
+            x = frames[idx]
+            gain = 1.0 + 0.3 * (2 * torch.rand(len(idx), 3, 1, 1, generator=g) - 1)
+            x = (x * gain + 0.15 * (2 * torch.rand(len(idx), 3, 1, 1, generator=g) - 1)).clamp(0, 1)
+            pred = torch.sigmoid(self.net(self._standardise(x))).squeeze(1)
+            loss = torch.nn.functional.mse_loss(pred, target[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        self.net.eval()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def score(self, videos: Tensor, prompts: list[str]) -> dict[str, Tensor]:
+        return {"position": -(self.centres(videos) - self.target_fraction).abs().mean(1)}
+
+
+def fit_judge(args: argparse.Namespace, reward: PositionTarget) -> tuple[PositionJudge, dict]:
+    """The toy's held-out judge, fitted on clips of another seed than the generator's, and its agreement with the
+    ground truth (and with the reward) on clips of a third seed that neither the generator nor the judge saw."""
+    n = 128 if args.quick else 256
+    videos, _, truth = square_clips(n, frames=args.frames, size=args.size, seed=args.seed + 7_919, centres=True)
+    judge = PositionJudge(args.size, reward.target_fraction, seed=args.seed + 1)
+    loss = judge.fit(videos, truth, steps=300 if args.quick else 800, seed=args.seed + 1)
+    held, held_prompts, held_truth = square_clips(64, frames=args.frames, size=args.size, seed=args.seed + 15_838, centres=True)
+    with torch.no_grad():
+        j_centre, r_centre = judge.centres(held), reward.centroid(held)
+        j_score, r_score = judge.score(held, held_prompts)["position"], reward(held, held_prompts)["position"]
+    true_score = -(held_truth - reward.target_fraction).abs().mean(1)
+
+    def corr(a: Tensor, b: Tensor) -> float:
+        return round(float(torch.corrcoef(torch.stack([a.float(), b.float()]))[0, 1]), 4)
+
+    return judge, {
+        "model": "conv net regressing the square's centre per frame (not the reward's formula)",
+        "train_clips": n, "train_seed": args.seed + 7_919, "heldout_clips": len(held), "heldout_seed": args.seed + 15_838,
+        "fit_mse": round(loss, 5),
+        "heldout_centre_mae": round(float((j_centre - held_truth).abs().mean()), 4),
+        "reward_heldout_centre_mae": round(float((r_centre - held_truth).abs().mean()), 4),
+        "heldout_corr_with_truth": corr(j_score, true_score),
+        "reward_heldout_corr_with_truth": corr(r_score, true_score),
+        "heldout_corr_with_reward": corr(j_score, r_score),
+    }  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Pre-training and one method's run
 # ----------------------------------------------------------------------------------------------------------------
@@ -157,7 +253,7 @@ def method_config(method: str, args: argparse.Namespace):
 
 
 def run_method(method: str, base_dir: Path, args: argparse.Namespace, reward: PositionTarget, *, budget: float,
-               marks: tuple[float, ...] = ()) -> dict:
+               marks: tuple[float, ...] = (), judge: PositionJudge | None = None) -> dict:
     """Train one method for `budget` CPU seconds of this process (evaluation excluded); evaluate every
     `args.eval_every` rounds, at the end, and on crossing each of `marks` (Flow-GRPO: the others' budget)."""
     cfg = method_config(method, args)
@@ -165,10 +261,11 @@ def run_method(method: str, base_dir: Path, args: argparse.Namespace, reward: Po
     # the same adapter whatever ran before it in this process (and a `--methods` subset reproduces its run).
     torch.manual_seed(args.seed)
     gen = VideoGenerator.from_pretrained(base_dir)
-    trainer = VideoTrainer(cfg, gen, make_rewards([reward]), [f"a {c} square" for c in COLOURS])
+    trainer = VideoTrainer(cfg, gen, make_rewards([reward]), [f"a {c} square" for c in COLOURS], judge=judge)
     curve = []
     ev, _ = trainer.evaluate()
-    curve.append({"time_s": 0.0, "round": 0, "reward": ev["eval/position"], "diversity": ev["eval/diversity"]})
+    curve.append({"time_s": 0.0, "round": 0, "reward": ev["eval/position"], "diversity": ev["eval/diversity"],
+                  **({"judge": ev["eval/judge_position"]} if judge is not None else {})})
     train_time = 0.0
     pending = sorted(m for m in marks if m < budget)
     while train_time < budget:
@@ -181,7 +278,8 @@ def run_method(method: str, base_dir: Path, args: argparse.Namespace, reward: Po
         if trainer.round % args.eval_every == 0 or train_time >= budget or crossed:
             ev, _ = trainer.evaluate()
             curve.append({"time_s": round(train_time, 2), "round": trainer.round, "reward": ev["eval/position"],
-                          "diversity": ev["eval/diversity"]})  # fmt: skip
+                          "diversity": ev["eval/diversity"],
+                          **({"judge": ev["eval/judge_position"]} if judge is not None else {})})  # fmt: skip
     return {"curve": curve, "rounds": trainer.round, "updates_per_round": cfg.train.updates_per_round,
             "group_size": cfg.train.group_size}
 
@@ -302,6 +400,8 @@ def run_seed(args: argparse.Namespace) -> dict:
         if cached is not None:
             gen.save_pretrained(cached)
     pretrain_s = time.time() - t0
+    # The held-out judge: fitted outside every method's budget, scored on the evaluation samples only.
+    judge, judge_info = fit_judge(args, reward)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         base_dir = gen.save_pretrained(Path(tmp) / "base")
@@ -310,17 +410,19 @@ def run_seed(args: argparse.Namespace) -> dict:
                 raise SystemExit(f"--methods: unknown method {method!r}; valid: {', '.join(METHODS)}")
             is_grpo = method == "flow_grpo"
             results[method] = run_method(method, base_dir, args, reward, budget=grpo_budget if is_grpo else args.budget,
-                                         marks=(args.budget,) if is_grpo else ())
-            last = results[method]["curve"][-1]
-            print(f"{method:10s} rounds {results[method]['rounds']:3d}  reward {results[method]['curve'][0]['reward']:+.3f} -> "
-                  f"{last['reward']:+.3f}  diversity {results[method]['curve'][0]['diversity']:.3f} -> {last['diversity']:.3f}", flush=True)  # fmt: skip
+                                         marks=(args.budget,) if is_grpo else (), judge=judge)
+            first, last = results[method]["curve"][0], results[method]["curve"][-1]
+            print(f"{method:10s} rounds {results[method]['rounds']:3d}  reward {first['reward']:+.3f} -> "
+                  f"{last['reward']:+.3f}  judge {first['judge']:+.3f} -> {last['judge']:+.3f}  "
+                  f"diversity {first['diversity']:.3f} -> {last['diversity']:.3f}", flush=True)  # fmt: skip
 
     start = float(np.mean([r["curve"][0]["reward"] for r in results.values()]))
     target = start + args.target_fraction * (0.0 - start)  # part of the way to the known maximum 0
     headline = speedup_at(results, target, grpo_budget)
     times = headline["times"]
     for m, r in results.items():
-        print(f"{m:10s} reward vs training seconds: " + ", ".join(f"{p['time_s']:.0f}s {p['reward']:+.3f}" for p in r["curve"]))
+        print(f"{m:10s} reward (judge) vs training seconds: "
+              + ", ".join(f"{p['time_s']:.0f}s {p['reward']:+.3f} ({p['judge']:+.3f})" for p in r["curve"]))
     grpo = results.get("flow_grpo")
     grpo_time = times.get("flow_grpo")
     div_by_method = {m: r["curve"][-1]["diversity"] / max(r["curve"][0]["diversity"], 1e-9) for m, r in results.items()}
@@ -369,6 +471,13 @@ def run_seed(args: argparse.Namespace) -> dict:
         "target_fraction_of_gap": args.target_fraction,
         "time_to_target_s": {m: (round(t, 2) if t is not None else None) for m, t in times.items()},
         "final_reward": {m: round(r["curve"][-1]["reward"], 4) for m, r in results.items()},
+        # The held-out judge beside the reward: each method's gain (last evaluation − first) by both, and the gap
+        # (reward gain − judge gain; well above 0: the reward rose where the judge did not, the hacking signal).
+        "reward_gain": {m: round(gain(r, "reward"), 4) for m, r in results.items()},
+        "judge_gain": {m: round(gain(r, "judge"), 4) for m, r in results.items()},
+        "hacking_gap": {m: round(gain(r, "reward") - gain(r, "judge"), 4) for m, r in results.items()},
+        "final_judge": {m: round(r["curve"][-1]["judge"], 4) for m, r in results.items()},
+        "judge": judge_info,
         "diversity_ratio_by_method": {m: round(v, 3) for m, v in div_by_method.items()},
         "rounds": {m: r["rounds"] for m, r in results.items()},
         "updates_per_round": {m: r["updates_per_round"] for m, r in results.items()},
@@ -390,6 +499,11 @@ def run_seed(args: argparse.Namespace) -> dict:
         "seed": args.seed,
     }
     return summary
+
+
+def gain(result: dict, key: str) -> float:
+    """Last evaluation − first of `key` ("reward" or "judge") on one method's curve."""
+    return result["curve"][-1][key] - result["curve"][0][key]
 
 
 def across_seeds(summaries: list[dict]) -> dict:
@@ -421,6 +535,9 @@ def across_seeds(summaries: list[dict]) -> dict:
         "time_to_target_s_per_seed": [s["time_to_target_s"] for s in summaries],
         "speedup_at_quarter_gap_per_seed": [s["speedup_by_target_fraction"]["0.25"]["speedup_vs_flow_grpo"] for s in summaries],
         "final_reward_per_seed": [s["final_reward"] for s in summaries],
+        "reward_gain_per_seed": [s.get("reward_gain") for s in summaries],
+        "judge_gain_per_seed": [s.get("judge_gain") for s in summaries],
+        "hacking_gap_per_seed": [s.get("hacking_gap") for s in summaries],
         "diversity_ratio": median_low([s["diversity_ratio"] for s in summaries]),
         "diversity_ratio_per_seed": [s["diversity_ratio"] for s in summaries],
         "peak_rss_mb": max(s["peak_rss_mb"] for s in summaries),

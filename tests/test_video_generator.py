@@ -501,7 +501,8 @@ def test_adapter_contexts_nest_and_restore(gen):
 @pytest.mark.parametrize("preset, overrides", [("tiny", {}), ("tiny-velocity", {"latent_space": "vae"})])
 def test_plain_diffusers_loads_the_saved_folder_and_its_lora(tmp_path, preset, overrides):
     # The standard path after training: diffusers' own WanPipeline.from_pretrained + load_lora_weights. kinema's
-    # x0 transformer and pixel-space autoencoder load too (model_index.json names their module).
+    # x0 transformer and pixel-space autoencoder load too: their code is saved in their folders, and diffusers runs
+    # it with trust_remote_code=True (a fresh process that never imports kinema: tests/test_video_export.py).
     from diffusers import WanPipeline
 
     g = VideoGenerator.from_preset(preset, seed=0, **overrides)
@@ -509,7 +510,9 @@ def test_plain_diffusers_loads_the_saved_folder_and_its_lora(tmp_path, preset, o
     _randomise_adapter(g, "default", seed=1)
     ours = g.generate(PROMPTS[:1], num_inference_steps=3, seed=0)
     folder = g.save_pretrained(tmp_path / "m")
-    pipe = WanPipeline.from_pretrained(folder)
+    custom = bool(list(folder.rglob("*.py")))
+    assert custom == (preset == "tiny")  # a stack of diffusers' own classes carries no code
+    pipe = WanPipeline.from_pretrained(folder, **({"trust_remote_code": True} if custom else {}))
     pipe.load_lora_weights(folder / "adapters" / "default", adapter_name="default")
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(

@@ -215,7 +215,8 @@ def test_video_train_end_to_end_and_resume(tmp_path: Path):
     first = kinema_video("train", *args, "--tensorboard", "true")
     assert first.returncode == 0, first.stderr[-3000:]
     for name in ("config.yaml", "metrics.jsonl", "reward_curves.png", "report.md", "state.json", "success_calibration.png",
-                 "samples/before.png", "samples/after.png", "samples/before.mp4", "samples/after.mp4"):  # fmt: skip
+                 "samples/before.png", "samples/after.png", "samples/before.mp4", "samples/after.mp4",
+                 "final/model_index.json", "final/README.md", "final/adapters/default/pytorch_lora_weights.safetensors"):  # fmt: skip
         assert (run / name).is_file(), name
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     kinds = [r["kind"] for r in records]

@@ -63,6 +63,20 @@ class RewardConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A held-out judge of task success, beside the training reward: a second success model of another architecture
+    and seed, fitted on sim episodes of its own (seeds disjoint from the reward's), never used in training. Its gain
+    before -> after is reported next to the reward's; a reward that rises while the judge does not is the
+    reward-hacking signal. Its agreement with the sim's ground truth is measured on clips neither model saw."""
+
+    enabled: bool = True
+    episodes: int = 0  # sim episodes of its own (0: as many as data.episodes), collected with other seeds
+    dataset: str = ""  # with data.dataset: a LeRobotDataset folder of other episodes to fit it on (else it is skipped)
+    steps: int = 400  # fitting steps (as the reward's)
+    seed_offset: int = 1  # fitted with seed + this: another initialisation and batch order than the reward's
+
+
+@dataclass
 class AnchorConfig:
     """Every method keeps an anchor to the reference (the pre-trained model with its adapters off): without one,
     short runs hacked threshold rewards or collapsed to identical samples (measured on the tiny models)."""
@@ -133,6 +147,7 @@ class VideoTrainConfig:
     # of these (the device and dtype may change, e.g. to continue on a GPU).
     RESUME_FIXED: ClassVar[tuple[str, ...]] = (
         "seed", "model.preset", "model.path", "model.lora_rank", "model.lora_alpha", "data", "pretrain", "train.method",
+        "judge",
     )
 
     out: str = ""  # run folder; default runs/video-<method>-s<seed>
@@ -143,6 +158,7 @@ class VideoTrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     train: PostTrainConfig = field(default_factory=PostTrainConfig)
     eval: VideoEvalConfig = field(default_factory=VideoEvalConfig)
@@ -206,6 +222,7 @@ class VideoTrainConfig:
             ("train.updates_per_round", self.train.updates_per_round),
             ("anchor.ref_weight", self.anchor.ref_weight),
             ("anchor.kl_weight", self.anchor.kl_weight),
+            ("judge.episodes", self.judge.episodes),
         ):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0; got {value}")
@@ -218,6 +235,7 @@ class VideoTrainConfig:
             ("train.options.dmd_fake_updates", self.train.options.dmd_fake_updates),
             ("pretrain.batch_size", self.pretrain.batch_size),
             ("threads", self.threads),
+            ("judge.steps", self.judge.steps),
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1; got {value}")

@@ -54,7 +54,7 @@ from kinema.video.methods import METHOD_CLASSES, TRAINED
 from kinema.video.rollout import Rollout, collect_rollout, diversity, draw_prompts, ode_sample
 from policies.checkpoint import atomic_folder
 from policies.video.generator import BASE, VideoGenerator  # BASE: the pre-trained model with every adapter disabled
-from policies.video.rewards import RewardSet
+from policies.video.rewards import RewardSet, VideoReward
 
 CHECKPOINT_FORMAT = 1
 
@@ -69,6 +69,8 @@ class VideoTrainer:
         prompts: the prompt pool rounds draw from.
         teacher: optional black-box teacher for AFD/OPSD (a generator) ...
         teacher_clips: ... or AFD teacher videos: {prompt: (N, F, C, H, W)}.
+        judge: optional held-out judge (videos + prompts -> named scores, e.g. a second success model fitted on
+            other clips): scored on the evaluation samples only, as `eval/judge_<name>`; never in training.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class VideoTrainer:
         *,
         teacher: VideoGenerator | None = None,
         teacher_clips: dict[str, Tensor] | None = None,
+        judge: VideoReward | None = None,
     ) -> None:
         if cfg.train.method not in METHOD_CLASSES:
             raise ValueError(f"train.method {cfg.train.method!r} is not known; valid: {', '.join(METHOD_CLASSES)}")
@@ -91,6 +94,7 @@ class VideoTrainer:
         self.prompts = list(prompts)
         self.teacher = teacher
         self.teacher_clips = teacher_clips
+        self.judge = judge
         self.rng = torch.Generator().manual_seed(cfg.seed)
         self.np_rng = np.random.default_rng(cfg.seed)
         self.updates = 0
@@ -270,6 +274,9 @@ class VideoTrainer:
         scores = self.rewards.score(videos, prompts)
         out = {f"eval/{k}": float(v.mean()) for k, v in scores.items()}
         out["eval/diversity"] = diversity(videos, groups)
+        if self.judge is not None:  # the held-out judge sees the same samples; nothing of it reaches training
+            with torch.no_grad():
+                out.update({f"eval/judge_{k}": float(v.float().mean()) for k, v in self.judge.score(videos, prompts).items()})
         return out, videos
 
     # Checkpoints ---------------------------------------------------------------------------------------------------

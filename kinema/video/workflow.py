@@ -4,12 +4,14 @@ Reads top to bottom:
     1. set up the run folder (or resume one);
     2. sim rollout videos: scripted episodes of `data.task` with noise and wrong grasps (successes and failures),
        or a LeRobotDataset folder; cut into clips of `data.frames` × `data.size`²; prompts = task instructions;
-    3. the rewards; the success reward is fitted on those clips (held-out calibration logged), once per run;
+    3. the rewards; the success reward is fitted on those clips (held-out calibration logged), once per run; the
+       held-out judge, a second success model of another architecture and seed, on sim episodes of its own;
     4. the generator: loaded from the run folder, from `model.path`, or built from the preset and pre-trained by
        plain flow matching on the clips;
     5. post-training rounds with the chosen method (`VideoTrainer`), evaluated and checkpointed every
        `eval.interval` rounds; Ctrl-C saves and exits;
-    6. evaluation after, sample grids and MP4s before/after, reward curves, report.md.
+    6. evaluation after, sample grids and MP4s before/after, reward curves, report.md, and the post-trained
+       generator as a diffusers folder, `final/` (`kinema.video.export`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from rich.console import Console
 from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.common import Run, progress_bar, read_collected, warn_if_other_task, write_collected
 from kinema.video.config import VideoTrainConfig, dump_config
+from kinema.video.export import FINAL_DIR, export_trainer
 from kinema.video.report import write_grid, write_report, write_reward_curves, write_videos_mp4
 from kinema.video.trainer import VideoTrainer
 from policies.checkpoint import write_text_atomic
@@ -38,6 +41,12 @@ from policies.video.rewards import RewardSet, SuccessReward, VideoClips, VideoSu
 SIM_DIR = "sim_videos"
 PRETRAINED_DIR = "pretrained"
 SUCCESS_DIR = "success_reward"
+JUDGE_SIM_DIR = "sim_videos_judge"
+JUDGE_DIR = "success_judge"
+JUDGE_SKIPPED = "skipped.json"
+# The judge's architecture: other depths and widths than the reward's VideoSuccessConfig defaults (3 convs of
+# 16-32-64, frame feature 64, head 64 x 2), so that it does not share the reward's inductive biases.
+JUDGE_ARCH: dict[str, Any] = dict(channels=(24, 48, 48, 96), frame_dim=48, text_dim=24, hidden_dim=96, num_layers=3)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -47,23 +56,35 @@ SUCCESS_DIR = "success_reward"
 
 def sim_clips(cfg: VideoTrainConfig, run: Run, console: Console) -> VideoClips:
     """The sim rollout clips: read from `data.dataset`, from the run folder, or collected (and saved there)."""
+    d = cfg.data
+    if d.dataset:
+        episodes = read_episodes(d.dataset)
+        warn_if_other_task(episodes, d.task, d.dataset, console)
+        return episode_clips(episodes, frames=d.frames, size=d.size, camera=d.camera)
+    seeds = range(cfg.seed * 10_000, cfg.seed * 10_000 + d.episodes)
+    return collected_clips(cfg, run.root / SIM_DIR, seeds, console, label="sim videos")
+
+
+def judge_seeds(cfg: VideoTrainConfig) -> range:
+    """The judge's own episode seeds: after the reward's (`seed·10000 + [0, data.episodes)`), never among them."""
+    start = cfg.seed * 10_000 + max(5_000, cfg.data.episodes)
+    return range(start, start + (cfg.judge.episodes or cfg.data.episodes))
+
+
+def collected_clips(cfg: VideoTrainConfig, folder: Path, seeds: range, console: Console, *, label: str) -> VideoClips:
+    """Clips of scripted sim episodes with these seeds: read back from `folder`, or collected and saved there."""
     from sim.experts import ExpertConfig
     from sim.rollout import collect_demos
 
     d = cfg.data
-    folder = run.root / SIM_DIR
-    seeds = range(cfg.seed * 10_000, cfg.seed * 10_000 + d.episodes)
     settings = {"noise": d.noise, "wrong_grasp": d.wrong_grasp, "image_size": max(64, d.size)}
-    if d.dataset:
-        episodes = read_episodes(d.dataset)
-        warn_if_other_task(episodes, d.task, d.dataset, console)
-    elif (collected := read_collected(folder, task=d.task, seeds=seeds, settings=settings)) is not None:
+    if (collected := read_collected(folder, task=d.task, seeds=seeds, settings=settings)) is not None:
         episodes = collected
     else:
         with progress_bar(console) as bar:
-            job = bar.add_task("sim videos", total=d.episodes, status=d.task)
+            job = bar.add_task(label, total=len(seeds), status=d.task)
             episodes = collect_demos(
-                d.task, d.episodes, seeds=seeds,
+                d.task, len(seeds), seeds=seeds,
                 expert=ExpertConfig(noise=d.noise, wrong_grasp=d.wrong_grasp), num_envs=4,
                 image_size=settings["image_size"], on_episode=lambda ep: bar.update(job, advance=1),
             )  # fmt: skip
@@ -95,16 +116,7 @@ def success_reward(cfg: VideoTrainConfig, clips: VideoClips | None, run: Run, co
         return SuccessReward.load(folder)
     if clips is None:
         raise ValueError("the success reward needs sim clips to be fitted on")
-    # A held-out quarter of each outcome, so that the calibration numbers see both.
-    g = torch.Generator().manual_seed(cfg.seed)
-    val_idx, train_idx = [], []
-    for outcome in (True, False):
-        members = torch.nonzero(clips.success == outcome).flatten()
-        members = members[torch.randperm(len(members), generator=g)]
-        k = max(1, len(members) // 4) if len(members) > 1 else 0
-        val_idx += members[:k].tolist()
-        train_idx += members[k:].tolist()
-    val, train = clips.subset(val_idx), clips.subset(train_idx)
+    train, val = split_heldout(clips, cfg.seed)
     n_val = len(val)
     reward = SuccessReward(VideoSuccessConfig(frames=cfg.data.frames, size=cfg.data.size))
     steps = 400
@@ -116,6 +128,104 @@ def success_reward(cfg: VideoTrainConfig, clips: VideoClips | None, run: Run, co
     console.print(f"success reward: held-out AUC {metrics['auc']:.2f}, Brier {metrics['brier']:.3f} (n={n_val})")
     reward.save(folder)
     return reward
+
+
+def split_heldout(clips: VideoClips, seed: int) -> tuple[VideoClips, VideoClips]:
+    """(train, held-out): a held-out quarter of each outcome, so that the calibration numbers see both."""
+    g = torch.Generator().manual_seed(seed)
+    val_idx, train_idx = [], []
+    for outcome in (True, False):
+        members = torch.nonzero(clips.success == outcome).flatten()
+        members = members[torch.randperm(len(members), generator=g)]
+        k = max(1, len(members) // 4) if len(members) > 1 else 0
+        val_idx += members[:k].tolist()
+        train_idx += members[k:].tolist()
+    return clips.subset(train_idx), clips.subset(val_idx)
+
+
+def concat_clips(a: VideoClips, b: VideoClips) -> VideoClips:
+    return VideoClips(
+        torch.cat([a.videos, b.videos]), a.prompts + b.prompts, torch.cat([a.success, b.success]),
+        torch.cat([a.ends_at_outcome, b.ends_at_outcome]),
+        a.task_ids + b.task_ids if a.task_ids and b.task_ids else [], a.seeds + b.seeds if a.seeds and b.seeds else [],
+    )  # fmt: skip
+
+
+def held_out_judge(cfg: VideoTrainConfig, clips: VideoClips | None, rewards: RewardSet, run: Run,
+                   console: Console) -> SuccessReward | None:
+    """The held-out judge of task success (`judge`): loaded from the run folder, or fitted on episodes of its own.
+
+    It is another architecture (`JUDGE_ARCH`) fitted with another seed on clips disjoint from the reward's (sim
+    episodes with other seeds, or `judge.dataset`), and it is never used in training. Its agreement with the
+    ground truth is measured on clips neither model was fitted on: its own held-out quarter and the reward's.
+    None when disabled or skipped (a `judge` record with the reason is logged, and `skipped.json` keeps it)."""
+    j = cfg.judge
+    folder = run.root / JUDGE_DIR
+    if not j.enabled:
+        return None
+    if (folder / "config.json").exists():
+        return SuccessReward.load(folder)
+    if (folder / JUDGE_SKIPPED).exists() or clips is None:
+        return None
+
+    def skip(reason: str) -> None:
+        console.print(f"[yellow]held-out judge skipped: {reason}")
+        run.log({"kind": "judge", "skipped": reason})
+        write_text_atomic(folder / JUDGE_SKIPPED, json.dumps({"reason": reason}) + "\n")
+
+    d = cfg.data
+    if d.dataset:
+        if not j.dataset:
+            skip("data.dataset is set and judge.dataset is empty: no episodes of its own to fit it on")
+            return None
+        own = episode_clips(read_episodes(j.dataset), frames=d.frames, size=d.size, camera=d.camera)
+    else:
+        own = collected_clips(cfg, run.root / JUDGE_SIM_DIR, judge_seeds(cfg), console, label="judge's sim videos")
+    shared = {s for s in own.seeds if s is not None} & {s for s in clips.seeds if s is not None}
+    if shared:
+        raise ValueError(f"the judge's episodes share seeds {sorted(shared)[:5]} with the reward's: they must be other "
+                         "episodes (judge.dataset must not hold the episodes of data.dataset)")
+    n_pos = int(own.success.sum())
+    if n_pos < 2 or len(own) - n_pos < 2:
+        skip(f"its {len(own)} episodes hold {n_pos} successes: it needs at least two of each outcome")
+        return None
+    train, own_val = split_heldout(own, cfg.seed + j.seed_offset)
+    _, reward_val = split_heldout(clips, cfg.seed)  # the reward's held-out quarter: neither model fits on it
+    heldout = concat_clips(own_val, reward_val)
+    # Its own seed for its initial weights and batches; the run's global RNG is left as it was (the pre-training
+    # after it draws the same noise with the judge on or off).
+    with torch.random.fork_rng(devices=[]), progress_bar(console) as bar:
+        torch.manual_seed(cfg.seed + j.seed_offset)
+        judge = SuccessReward(VideoSuccessConfig(frames=d.frames, size=d.size, **JUDGE_ARCH))
+        job = bar.add_task("held-out judge", total=j.steps, status="")
+        judge.fit(train, steps=j.steps, seed=cfg.seed + j.seed_offset, progress=lambda i, s: bar.update(job, advance=1))
+    record: dict[str, Any] = {"kind": "judge", "train_clips": len(train), "heldout_clips": len(heldout),
+                              "arch": {k: list(v) if isinstance(v, tuple) else v for k, v in JUDGE_ARCH.items()},
+                              "seed": cfg.seed + j.seed_offset}  # fmt: skip
+    p_judge = judge.predict(heldout)
+    y = heldout.success.float()
+    metrics = judge.calibration_figure(heldout, run.root / "judge_calibration.png")
+    record.update({f"judge/{k}": v for k, v in metrics.items()})
+    record["judge/accuracy"] = float(((p_judge > 0.5).float() == y).float().mean())
+    reward = success_model_of(rewards)
+    if reward is not None:
+        p_reward = reward.predict(heldout)
+        record.update({f"reward/{k}": v for k, v in reward.evaluate(heldout).items()})
+        record["reward/accuracy"] = float(((p_reward > 0.5).float() == y).float().mean())
+        record["agreement"] = float(((p_judge > 0.5) == (p_reward > 0.5)).float().mean())
+        record["correlation"] = float(torch.corrcoef(torch.stack([p_judge, p_reward]))[0, 1])
+    run.log(record)
+    shown = f"held-out judge: AUC {metrics['auc']:.2f}, accuracy {record['judge/accuracy']:.2f} on {len(heldout)} sim clips neither model saw"
+    if reward is not None:
+        shown += f" (the reward: AUC {record['reward/auc']:.2f}, accuracy {record['reward/accuracy']:.2f}; they agree on {record['agreement']:.0%})"
+    console.print(shown)
+    judge.save(folder)
+    return judge
+
+
+def success_model_of(rewards: RewardSet) -> SuccessReward | None:
+    """The run's success reward, when it trains on one."""
+    return next((r for r in rewards.rewards if isinstance(r, SuccessReward)), None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -340,19 +450,21 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
     # Ctrl-C before the first checkpoint: nothing to resume, but the stages done so far are kept and reused.
     with interrupt_note_before_checkpoint(console, run.root, resuming=resume):
         # 2-4. Sim videos, rewards, the pre-trained generator (each read back from the run folder when there) -------
-        need_clips = not (run.root / PRETRAINED_DIR).exists() or (
+        judge_done = not cfg.judge.enabled or any((run.root / JUDGE_DIR / f).exists() for f in ("config.json", JUDGE_SKIPPED))
+        need_clips = not (run.root / PRETRAINED_DIR).exists() or not judge_done or (
             "success" in cfg.rewards.names and not (run.root / SUCCESS_DIR / "config.json").exists()
         )
         clips = sim_clips(cfg, run, console) if need_clips else None
         prompts = sorted(set(clips.prompts)) if clips is not None else state.get("prompts", [])
         rewards = build_rewards(cfg, clips, run, console)
+        judge = held_out_judge(cfg, clips, rewards, run, console)
         generator = pretrained_generator(cfg, clips, run, console)
 
         # 5. Post-training -----------------------------------------------------------------------------------------
         teacher, teacher_clips = teachers(cfg)
         if teacher_clips is not None:
             prompts = sorted(teacher_clips)  # AFD on a folder: the student learns the teacher's prompts
-        trainer = VideoTrainer(cfg, generator, rewards, prompts, teacher=teacher, teacher_clips=teacher_clips)
+        trainer = VideoTrainer(cfg, generator, rewards, prompts, teacher=teacher, teacher_clips=teacher_clips, judge=judge)
         latest = state.get("latest_checkpoint")
         if latest:
             trainer.load(run.root / latest)
@@ -403,12 +515,17 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
     # 6. After: evaluation, pictures, report ------------------------------------------------------------------------
     if not state.get("final_done"):
         ev, videos = trainer.evaluate()
-        run.log({"kind": "eval", "stage": "after", "round": trainer.round, **ev})
+        before = next((r for r in run.records() if r.get("kind") == "eval" and r.get("stage") == "before"), None)
+        run.log({"kind": "eval", "stage": "after", "round": trainer.round, **ev, **judge_gap(before, ev)})
         shown, shown_prompts = trainer.showcase(videos, cfg.eval.videos)
         write_grid(shown, samples / "after.png", prompts=shown_prompts, title=f"after {t.method}")
         write_videos_mp4(shown, samples / "after.mp4")
+        # The deliverable: the generator as evaluated, a diffusers folder stock diffusers loads (atomic).
+        export_trainer(trainer, run.root / FINAL_DIR, run_root=run.root, evaluation=ev)
         state["final_done"] = True
         run.save_state(state)
+    elif not (run.root / FINAL_DIR / "model_index.json").exists():  # a run finished before exports existed
+        export_trainer(trainer, run.root / FINAL_DIR, run_root=run.root)
     records = run.records()
     write_reward_curves(records, run.root / "reward_curves.png")
     write_report(cfg, records, run.root)
@@ -416,4 +533,24 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
     summary = {k: v for k, v in next(r for r in reversed(records) if r.get("stage") == "after").items() if k.startswith("eval/")}
     console.print(f"after {t.method}: {json.dumps({k: round(v, 4) for k, v in summary.items()})}")
     console.print(f"report: {run.root / 'report.md'}")
+    console.print(f"post-trained generator (diffusers): {run.root / FINAL_DIR} (see its README.md; `kinema video sample {run.root} --prompt ...`)")
     return run.root
+
+
+def judge_gap(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, float]:
+    """The reward-hacking signal of an evaluation against the one before post-training: for each held-out judge
+    score `eval/judge_<name>`, the judge's gain, the gain of the training reward `eval/<name>`, and their gap
+    (reward gain − judge gain; well above 0: the reward rose where the judge did not)."""
+    out: dict[str, float] = {}
+    if not before:
+        return out
+    for key, value in after.items():
+        if not key.startswith("eval/judge_") or key not in before:
+            continue
+        name = key.removeprefix("eval/judge_")
+        out[f"judge/{name}/judge_gain"] = value - before[key]
+        reward_key = f"eval/{name}"
+        if reward_key in after and reward_key in before:
+            out[f"judge/{name}/reward_gain"] = after[reward_key] - before[reward_key]
+            out[f"judge/{name}/gap"] = out[f"judge/{name}/reward_gain"] - out[f"judge/{name}/judge_gain"]
+    return out

@@ -119,35 +119,80 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
                 scheduler=build_scheduler(config),
             )
 
-    def save_pretrained(self, directory: str | os.PathLike, *, adapters: bool = True) -> Path:
+    def save_pretrained(
+        self,
+        directory: str | os.PathLike,
+        *,
+        adapters: bool | Sequence[str] = True,
+        adapter_weights: Mapping[str, Mapping[str, Tensor]] | None = None,
+        fuse: str | None = None,
+        extra_files: Mapping[str, str] | None = None,
+    ) -> Path:
         """Write a diffusers-layout folder (component folders + model_index.json) plus `kinema_video.json` and
         `adapters/<name>/` in diffusers' LoRA format. Atomic: written to a temporary sibling, then renamed over
         `directory`.
 
         The transformer is saved without its LoRA layers (plain diffusers weights); adapters are saved apart.
+        Stock diffusers loads the folder: `WanPipeline.from_pretrained(directory)`, with `trust_remote_code=True`
+        when it holds kinema's own x0 transformer or pixel-space autoencoder (their code is copied into their
+        component folders, see `custom_component_module`), then `pipe.load_lora_weights(directory/"adapters"/name)`.
+
+        Args:
+            adapters: True (every adapter), False (none) or the names of the adapters to save.
+            adapter_weights: {name: LoRA state} saved (or fused) instead of the adapter's current weights, e.g. an
+                EMA of them (same keys as `adapter_state_dict`).
+            fuse: an adapter whose LoRA is merged into the saved transformer weights, W + (alpha/rank)·B·A; the
+                folder is then a plain model with that adapter built in (it is not saved as an adapter as well).
+            extra_files: {relative path: text} written into the folder before the rename (a README, metadata).
         """
         from safetensors.torch import save_file
 
+        if adapters is True:
+            names = list(self._adapters)
+        elif adapters is False:
+            names = []
+        else:
+            names = list(adapters)
+        for name in [*names, *([fuse] if fuse else []), *(adapter_weights or {})]:
+            self._check_adapter(name)
+        if fuse is not None and fuse in names:
+            if adapters is not True:
+                raise ValueError(f"adapter {fuse!r} cannot be both fused into the weights and saved as an adapter")
+            names.remove(fuse)
+        weights = {name: dict(adapter_weights[name]) if adapter_weights and name in adapter_weights
+                   else self.adapter_state_dict(name) for name in [*names, *([fuse] if fuse else [])]}  # fmt: skip
+        base = self.base_state_dict()
+        if fuse is not None:
+            base = fused_state_dict(base, weights[fuse], self._adapters[fuse])
         with atomic_folder(directory) as tmp:
             (tmp / "transformer").mkdir()
             self.transformer.save_config(tmp / "transformer")
-            save_file(self.base_state_dict(), str(tmp / "transformer" / WEIGHTS_NAME), metadata={"format": "pt"})
+            save_file(base, str(tmp / "transformer" / WEIGHTS_NAME), metadata={"format": "pt"})
             self.vae.save_pretrained(tmp / "vae", safe_serialization=True)
             with quiet_transformers():
                 self.text_encoder.save_pretrained(tmp / "text_encoder", safe_serialization=True)
             self.tokenizer.save_pretrained(tmp / "tokenizer")
             self.scheduler.save_pretrained(tmp / "scheduler")
+            module, source = custom_component_module()
+            for component in ("transformer", "vae"):  # kinema's own classes travel with their code
+                if is_custom_component(getattr(self, component)):
+                    (tmp / component / f"{module}.py").write_text(source, encoding="utf-8")
             (tmp / "model_index.json").write_text(json.dumps(self._model_index(), indent=2))
             meta = {
                 "format_version": FORMAT_VERSION,
                 "config": self.config.to_dict(),
-                "adapters": {k: dict(v) for k, v in self._adapters.items()} if adapters else {},
-                "active_adapter": self._active if adapters else None,
+                "adapters": {k: dict(self._adapters[k]) for k in names},
+                "active_adapter": self._active if self._active in names else (names[0] if names else None),
             }
-            if adapters:
-                for name in self._adapters:
-                    self._save_adapter(name, tmp / "adapters" / name)
+            if fuse is not None:
+                meta["fused_adapter"] = {"name": fuse, **dict(self._adapters[fuse])}
+            for name in names:
+                self._save_adapter(name, tmp / "adapters" / name, weights[name])
             (tmp / KINEMA_CONFIG).write_text(json.dumps(meta, indent=2))
+            for rel, text in (extra_files or {}).items():
+                path = tmp / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text, encoding="utf-8")
         return Path(directory)
 
     @classmethod
@@ -227,17 +272,18 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
                 gen.set_adapter(meta["active_adapter"])
         return gen
 
-    def _save_adapter(self, name: str, folder: Path) -> None:
+    def _save_adapter(self, name: str, folder: Path, state: Mapping[str, Tensor] | None = None) -> None:
         # diffusers' own LoRA format, so that a plain `WanPipeline.from_pretrained(dir)` user can run
         # `pipe.load_lora_weights(dir / "adapters" / name)`; the metadata carries rank and alpha.
         from diffusers import WanPipeline
 
         spec = self._adapters[name]
         metadata = {"r": spec["rank"], "lora_alpha": spec["alpha"], "target_modules": spec["targets"]}
+        state = self.adapter_state_dict(name) if state is None else state
         folder.mkdir(parents=True)
         WanPipeline.save_lora_weights(
             folder,
-            transformer_lora_layers={k: v.contiguous() for k, v in self.adapter_state_dict(name).items()},
+            transformer_lora_layers={k: v.detach().contiguous() for k, v in state.items()},
             transformer_lora_adapter_metadata=metadata,
             safe_serialization=True,
         )
@@ -245,11 +291,15 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
     def _model_index(self) -> dict[str, Any]:
         import diffusers
 
+        custom, _ = custom_component_module()
+
         def entry(module: Any) -> list[str]:
             # diffusers imports the named library and takes the class from it: the top-level package for its own
-            # and transformers' classes, the defining module for kinema's (so plain diffusers can load it too).
-            library = type(module).__module__
-            return [library if library.startswith("policies.") else library.split(".")[0], type(module).__name__]
+            # and transformers' classes. kinema's own classes are named by the module file saved in the component's
+            # folder, which diffusers runs with `trust_remote_code=True` (no kinema import needed).
+            if is_custom_component(module):
+                return [custom, type(module).__name__]
+            return [type(module).__module__.split(".")[0], type(module).__name__]
 
         return {
             "_class_name": "WanPipeline",
@@ -644,6 +694,44 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def custom_component_module() -> tuple[str, str]:
+    """(module name, source) of `policies/video/wan_components.py` as saved into component folders.
+
+    The name carries a hash of the source: diffusers copies a folder's module into one shared cache under its file
+    name, so two versions of the code must not share one."""
+    import hashlib
+
+    from policies.video import wan_components
+
+    source = Path(wan_components.__file__).read_text(encoding="utf-8")
+    return f"kinema_video_{hashlib.sha256(source.encode()).hexdigest()[:10]}", source
+
+
+def is_custom_component(module: Any) -> bool:
+    """A component of kinema's own class (the x0 transformer, the pixel-space autoencoder): its folder needs the code."""
+    return type(module).__module__ == "policies.video.wan_components"
+
+
+@torch.no_grad()
+def fused_state_dict(base: Mapping[str, Tensor], lora: Mapping[str, Tensor], spec: Mapping[str, Any]) -> dict[str, Tensor]:
+    """Transformer weights with a LoRA merged in: W + (alpha/rank)·B·A for every `<module>.lora_A/B.weight` pair
+    (peft's scaling without rsLoRA), computed in float32 and stored in W's dtype."""
+    out = dict(base)
+    scale = float(spec["alpha"]) / float(spec["rank"])
+    suffix = ".lora_A.weight"
+    for key in [k for k in lora if k.endswith(suffix)]:
+        module = key[: -len(suffix)]
+        target = f"{module}.weight"
+        if target not in out or f"{module}.lora_B.weight" not in lora:
+            raise ValueError(f"cannot fuse LoRA key {key!r}: no base weight {target!r} or no matching lora_B")
+        w = out[target]
+        delta = lora[f"{module}.lora_B.weight"].float() @ lora[key].float()
+        out[target] = (w.float() + scale * delta.to(w.device)).to(w.dtype).contiguous()
+    if not any(k.endswith(suffix) for k in lora):
+        raise ValueError("fused_state_dict: the LoRA state holds no lora_A weights")
+    return out
 
 
 def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Generator | None:
