@@ -108,7 +108,7 @@ def planned_work(cfg, method_class, *, start_round: int, fresh: bool, final_done
     }
 
 
-def start_panel(cfg, method_class, root, latest: str | None, pace: RunPace) -> Panel:
+def start_panel(cfg, method_class, root, latest: str | None, pace: RunPace, *, start_round: int) -> Panel:
     """What the run will do, where it writes, and how long it should take: shown before anything starts."""
     o = cfg.rl
     lines = [f"[bold]run folder[/bold]  {root}" + (f"  (resumed after {latest})" if latest else "")]
@@ -122,8 +122,7 @@ def start_panel(cfg, method_class, root, latest: str | None, pace: RunPace) -> P
     if method_class.has_rounds and o.rounds:
         per_round = ([f"{o.episodes_per_round} rollouts"] if method_class.rolls_out else []) + [
             f"{o.updates_per_round} actor updates", f"{cfg.eval.round_episodes} evaluation episodes"]
-        first = int(cfg.rl.rounds - pace.planned["update"] / max(o.updates_per_round, 1)) + 1
-        plan.append(f"rounds {first}–{o.rounds} of {method_class.name} × ({', '.join(per_round)})")
+        plan.append(f"rounds {start_round}–{o.rounds} of {method_class.name} × ({', '.join(per_round)})")
         splits = "3 splits" if cfg.eval.heldout else "the training split"
         plan.append(f"final evaluation: {cfg.eval.episodes} episodes on {splits}")
     lines.append("[bold]plan[/bold]  " + " · ".join(plan))

@@ -140,7 +140,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     latest = state.get("latest_checkpoint")
     start_round = state["round"] + 1 if latest else 1
     pace = RunPace(planned_work(cfg, method_class, start_round=start_round, fresh=not latest, final_done=state.get("final_done", False)))
-    console.print(start_panel(cfg, method_class, run.root, latest, pace))
+    console.print(start_panel(cfg, method_class, run.root, latest, pace, start_round=start_round))
     bar = progress_bar(console, transient=True)  # what stays on screen is the lines and the table at the end
     progress = RunProgress(bar, pace)
     bar.start()

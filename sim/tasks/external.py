@@ -31,7 +31,6 @@ import gymnasium as gym
 import numpy as np
 
 PREFIXES = ("robosuite/", "gym:")
-RESERVED = ("keys", "instruction", "horizon")  # task config keys the adapter reads itself
 DEFAULT_HORIZON = 200
 REQUIRED = ("observation.images.agentview", "observation.images.wrist", "observation.state")
 

@@ -102,7 +102,7 @@ class RLMethod:
         return list(range(first_seed, first_seed + self.cfg.rl.episodes_per_round)), ChunkPolicy(self.learner.acting)
 
     def roll_out(self, round_index: int, record: dict[str, Any], progress: RunProgress) -> Rollouts | None:
-        learner, cfg = self.learner, self.cfg
+        cfg = self.cfg
         seeds, runner = self.rollout_plan(ROLLOUT_SEED_OFFSET + round_index * 1000)
         with progress.phase(f"round {round_index}: rollouts (episodes)", len(seeds), kind="rollout"):
             new = roll_out_policy(runner, cfg, seeds, round_index, on_episode=lambda ep: progress.advance())
