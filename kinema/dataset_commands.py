@@ -6,8 +6,10 @@
   kinema's robosuite adapter (`sim/robosuite_adapter.py`) produces them, so a policy trained on them runs in
   `robosuite/<env>` tasks unchanged:
   - cameras: `agentview_image` -> `observation.images.agentview`, `robot0_eye_in_hand_image` ->
-    `observation.images.wrist`, flipped right side up (robosuite renders upside down in its default "opengl" image
-    convention, and the adapter flips);
+    `observation.images.wrist`, kept as stored: robomimic's files hold them right side up, as the adapter observes them
+    (robosuite renders upside down in its default "opengl" convention; robomimic's `EnvRobosuite.get_observation`
+    flips every camera image when it extracts observations, as the adapter does). `--flip-images` is for files whose
+    images are upside down (robosuite's raw frames saved without robomimic's flip);
   - `observation.state` (8,) = `ee_state_vector(position, rotation, opening)`, the adapter's own function: the grip
     site's position in the robot-base frame, its orientation as a wxyz quaternion with w >= 0 in the base frame, and
     the gripper opening in [0, 1]. robomimic's `robot0_eef_pos` is the grip site in the world frame, but
@@ -265,7 +267,7 @@ def _read_demo(demo: Any, name: str, path: Path) -> tuple[np.ndarray, dict[str, 
 
 def import_robomimic(path: str | Path, out: str | Path, *, instruction: str | None = None, actions: str = "rescale",
                      overwrite: bool = False, base_pos: tuple[float, float, float] | None = None,
-                     flip_images: bool = True, image_size: int | None = None, filter_key: str | None = None,
+                     flip_images: bool = False, image_size: int | None = None, filter_key: str | None = None,
                      max_episodes: int | None = None, fps: float | None = None,
                      on_episode: Any = None) -> RobomimicImport:
     """Convert a robomimic HDF5 file to a kinema dataset (see the module docstring); returns what it did."""
@@ -314,7 +316,9 @@ def import_robomimic(path: str | Path, out: str | Path, *, instruction: str | No
                                   if actions == "rescale" else
                                   f"actions kept as recorded: build the env with action_scale={tuple(source_scale)}"),
             "source_action_scale_from": scale_origin, "success": "robomimic demos are successes by construction: "
-            "every episode has outcome=True", "images": "flipped right side up" if flip_images else "as stored",
+            "every episode has outcome=True",
+            "images": "flipped vertically (--flip-images)" if flip_images else "as stored (robomimic writes them right "
+                      "side up)",
             "quaternion": "robot0_eef_quat (right_hand body, xyzw, world) turned to the grip site; base frame, wxyz, "
                           "w >= 0",
         }
@@ -413,8 +417,9 @@ def add_dataset_commands(sub: argparse._SubParsersAction) -> None:
     rm.add_argument("--base-pos", type=float, nargs=3, default=None, metavar=("X", "Y", "Z"),
                     help="robot base position in world coordinates, for files without model_file "
                     "(default: from the MJCF)")
-    rm.add_argument("--no-flip-images", dest="flip_images", action="store_false",
-                    help="keep images as stored (for files recorded with robosuite's 'opencv' image convention)")
+    rm.add_argument("--flip-images", action="store_true",
+                    help="flip images vertically, for files holding robosuite's raw (upside-down) frames; robomimic's "
+                    "own files hold them right side up")
     rm.add_argument("--image-size", type=int, default=None, help="resize cameras to this square size (default: keep)")
     rm.add_argument("--filter-key", default=None, help="import only the demos listed under mask/<key> (e.g. train)")
     rm.add_argument("--max-episodes", type=int, default=None, help="import at most this many demos")

@@ -103,9 +103,10 @@ def simulate(seed: int, t: int) -> dict[str, np.ndarray]:
 
 
 def images(t: int, seed: int) -> np.ndarray:
-    """Top half bright, bottom half dark, as stored (robosuite's upside-down "opengl" convention)."""
-    img = np.full((t, IMAGE, IMAGE, 3), 40, np.uint8)
-    img[:, : IMAGE // 2] = 200
+    """Top half dark, bottom half bright (a table below), as robomimic stores them: right side up (its
+    EnvRobosuite.get_observation flips robosuite's upside-down "opengl" frames)."""
+    img = np.full((t, IMAGE, IMAGE, 3), 200, np.uint8)
+    img[:, : IMAGE // 2] = 40
     img[..., 1] += np.uint8(seed)
     return img
 
@@ -231,10 +232,16 @@ def test_success_flags(imported):
     assert [e.steps_to_success for e in episodes] == [4, 7, 6]
 
 
-def test_images_are_flipped_right_side_up(imported):
-    _, _, episodes, _ = imported
+def test_images_are_kept_right_side_up_and_flipped_on_request(imported, tmp_path):
+    """robomimic's files already hold right-side-up images (tests/test_robosuite_robomimic.py checks this against
+    robosuite); --flip-images is for files of raw, upside-down robosuite frames."""
+    _, _, episodes, root = imported
     img = episodes[0].observations["observation.images.agentview"].astype(int)
     assert img[:, : IMAGE // 2 - 4].mean() < 60 and img[:, IMAGE // 2 + 4:].mean() > 180
+    dataset_commands.import_robomimic(root / "lift.hdf5", tmp_path / "flipped", flip_images=True, max_episodes=1)
+    flipped = read_episodes(tmp_path / "flipped")[0].observations["observation.images.agentview"].astype(int)
+    assert flipped[:, : IMAGE // 2 - 4].mean() > 180 and flipped[:, IMAGE // 2 + 4:].mean() < 60
+    assert np.abs(flipped - img[:, ::-1]).mean() < 2.0  # the same frames, upside down (video coding aside)
 
 
 def test_actions_kept_record_the_scale_for_the_env(tmp_path):
