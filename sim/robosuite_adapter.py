@@ -436,9 +436,43 @@ class RobosuiteEnv(gym.Env):
         mujoco.mj_setState(self._model, self._data, np.asarray(state[:n]), mujoco.mjtState.mjSTATE_INTEGRATION)
         self._gripper.current_action = np.array(state[n:], dtype=np.float64)
         self._sim.forward()
+        self._refresh_controllers(episode_start=False)
         self._make_current()
         self._rs_obs = self._env._get_observations(force_update=True)
         self._shaped = float(self._env.reward(None))
+
+    def set_robosuite_state(self, flat: np.ndarray, *, episode_start: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Set the simulator to a state as robosuite flattens it (`sim.get_state().flatten()`: time, qpos, qvel; the
+        `states` robosuite's data collection and robomimic's files store) and return the observation and info there.
+
+        Controller state is not in that vector. The controllers always re-read the arm's kinematics (after a reset
+        they would act on the reset pose). `episode_start=True` (a demo's `states[0]`) also resets them as robosuite's
+        reset does at that pose: OSC's nullspace posture is the episode's first joint configuration and the gripper's
+        rate command 0, so replaying the demo's actions from there follows the demo."""
+        flat = np.asarray(flat, dtype=np.float64)
+        expected = 1 + self._model.nq + self._model.nv
+        if flat.shape != (expected,):
+            raise ValueError(f"{self.name}: a flattened robosuite state of this model has shape ({expected},) (time, "
+                             f"qpos, qvel); got {flat.shape}")
+        self._sim.set_state_from_flattened(flat)
+        self._sim.forward()
+        self._refresh_controllers(episode_start=episode_start)
+        self._make_current()
+        self._rs_obs = self._env._get_observations(force_update=True)
+        self._shaped = float(self._env.reward(None))
+        success = self.is_success()
+        return self._observation(), self._info(success)
+
+    def _refresh_controllers(self, *, episode_start: bool) -> None:
+        composite = self._robot.composite_controller
+        for controller in composite.part_controllers.values():
+            controller.update(force=True)
+            if episode_start:
+                controller.update_initial_joints(np.array(controller.joint_pos))
+        if episode_start:
+            self._gripper.current_action = np.zeros(self._gripper.dof)
+            composite.update_state()
+            composite.reset()
 
     def privileged(self) -> dict[str, np.ndarray]:
         priv: dict[str, np.ndarray] = {}
