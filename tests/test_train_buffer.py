@@ -33,3 +33,13 @@ def test_step_buffer_skips_failure_inducing_and_idle_steps_when_imitating():
     segment[7] = Segment.IDLE
     buffer = StepBuffer.from_episodes([_episode(executed_by, segment)], ["agentview"])
     assert buffer.imitable_index().tolist() == [0, 1, 4, 5, 6]
+
+
+def test_step_buffer_resizes_demo_frames_to_the_policy_size():
+    """A dataset recorded at another size (robomimic's 84x84) must match the rollouts HABC concatenates it with."""
+    ep = _episode(np.full(3, ExecutedBy.POLICY), np.full(3, Segment.PROGRESS))
+    ep.observations["observation.images.agentview"][:, :4] = 200  # top half bright
+    buffer = StepBuffer.from_episodes([ep], ["agentview"], image_size=4)
+    assert buffer.images["agentview"].shape == (3, 4, 4, 3)
+    assert (buffer.images["agentview"][:, :2] == 200).all() and (buffer.images["agentview"][:, 2:] == 0).all()
+    assert StepBuffer.from_episodes([ep], ["agentview"], image_size=8).images["agentview"].shape == (3, 8, 8, 3)

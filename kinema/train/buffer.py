@@ -46,7 +46,11 @@ class StepBuffer:
         return np.arange(len(self)) if self.imitable is None else np.flatnonzero(self.imitable)
 
     @classmethod
-    def from_episodes(cls, episodes: Sequence[Episode], cameras: Sequence[str]) -> StepBuffer:
+    def from_episodes(
+        cls, episodes: Sequence[Episode], cameras: Sequence[str], image_size: int | None = None
+    ) -> StepBuffer:
+        """`image_size`: resize camera frames to this square size (a dataset recorded at another size than the env
+        renders, e.g. robomimic's 84x84, must match the rollouts a method mixes it with)."""
         if not episodes:
             raise ValueError("no episodes to build a training buffer from")
         lengths = np.array([len(ep) for ep in episodes])
@@ -58,6 +62,11 @@ class StepBuffer:
             if missing:
                 raise ValueError(f"episodes {missing[:5]} lack camera {key!r} that the policy reads")
             images[cam] = np.concatenate([ep.observations[key] for ep in episodes])
+            if image_size is not None and images[cam].shape[1:3] != (image_size, image_size):
+                import cv2
+
+                images[cam] = np.stack([cv2.resize(x, (image_size, image_size), interpolation=cv2.INTER_AREA)
+                                        for x in images[cam]])
         aux_parts = [aux_targets(ep) for ep in episodes]
         aux = np.concatenate(aux_parts) if all(a is not None for a in aux_parts) else None
         return cls(

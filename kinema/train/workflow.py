@@ -190,7 +190,7 @@ def _train(
     demos = [ep for ep in demos if ep.outcome]  # imitate successes only
     if not demos:
         raise ValueError("no successful demonstration to imitate (every demo episode failed)")
-    demo_buffer = StepBuffer.from_episodes(demos, cameras)
+    demo_buffer = StepBuffer.from_episodes(demos, cameras, image_size=cfg.policy.image_size)
     run.log({"kind": "demos", "episodes": len(demos), "steps": len(demo_buffer), "success": demo_success})
 
     # 3. Policy and SFT ------------------------------------------------------------------------------------------------
