@@ -94,3 +94,29 @@ def test_a_step_on_2_gloo_ranks_equals_one_process_on_the_concatenated_batch(bat
     assert any(not torch.allclose(half[k], single[k]) for k in single if k.startswith("policy.expert"))
     shards = [torch.load(f"{out}.shard{r}").numpy() for r in range(2)]
     assert sorted(np.concatenate(shards).tolist()) == list(range(11)) and not set(shards[0]) & set(shards[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kinema_train_under_torchrun_on_2_gloo_ranks_writes_one_run(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_train_workflow import TINY
+
+    run = tmp_path / "run"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "LP_NUM_THREADS": "1", "MUJOCO_GL": "egl"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), "-m", "kinema.cli", "train", *TINY, "--rl.rounds", "1", "--out", str(run)],
+        capture_output=True, text=True, timeout=560, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    kinds = [json.loads(line)["kind"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert kinds == ["demos", "sft", "eval", "round", "eval", "eval"]  # once each: rank 0 alone logs
+    assert (run / "checkpoints" / "round-001").is_dir() and (run / "report.md").exists()
+    assert len(list((run / "rollouts" / "round-001" / "data").rglob("*.parquet"))) >= 1
+    assert result.stdout.count("report:") + result.stderr.count("report:") == 1  # rank 1 prints nothing

@@ -22,6 +22,7 @@ import torch
 
 from diffusion_rl.data import Episode
 
+TASKS_PER_ACTOR = 2
 MAX_REPLACEMENTS = 3  # per task: a task that kills its actor this often is an error, not bad luck
 
 
@@ -140,7 +141,9 @@ class RayRolloutPool:
         weights = [ray.put(state)]  # once per round, whatever the number of actors and tasks
         self._version += 1
         self.last_broadcast = {"ms": (time.perf_counter() - start) * 1e3, "bytes": float(sum(v.nbytes for v in state.values()))}
-        size = max(1, self.envs_per_worker)
+        # About TASKS_PER_ACTOR tasks per actor: each keeps its envs busy across seeds as a local round does, the queue
+        # still balances the actors, and a dead actor's re-run is bounded to its task.
+        size = max(1, self.envs_per_worker, -(-len(seeds) // (TASKS_PER_ACTOR * len(self.actors))))
         tasks = [list(seeds[i : i + size]) for i in range(0, len(seeds), size)]
         queue = list(range(len(tasks)))
         results: dict[int, tuple[list[Episode], dict]] = {}

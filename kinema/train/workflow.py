@@ -238,9 +238,7 @@ def _train(
     policy_config = cfg.policy.config_class()(**cfg.policy.policy_fields(), cameras=cameras, aux_dim=aux_dim, extra={"tasks": [cfg.task]})
     policy = make_policy(cfg.policy.type, policy_config)
     policy.set_normalization(demo_buffer.stats())
-    distributed.broadcast_module(policy)  # every rank starts from rank 0's weights...
-    if distributed.world()[1] > 1:
-        torch.manual_seed(cfg.seed + 7919 * distributed.world()[0])  # ...and draws its own augmentation and flow noise
+    distributed.broadcast_module(policy)  # every rank starts from rank 0's weights
     # `policy` trains; `acting` (its average, or itself when the decay is 0) collects rollouts, is evaluated and saved.
     decay = cfg.policy.ema_decay if method_class.acts_with_average else 0.0
     sft_steps = 0
@@ -264,6 +262,8 @@ def _train(
     success_model = RolloutSuccessModel(policy.config.hidden_dim, seed=cfg.seed)
     learner = Learner(cfg, run, policy, acting, optimizer, demo_buffer, rng, decay, success_model)
     method = method_class(learner)
+    if distributed.world()[1] > 1:  # critics built alike on every rank; from here each draws its own augmentation and noise
+        torch.manual_seed(cfg.seed + 7919 * distributed.world()[0])
     if latest:
         load_trainer_checkpoint(run.root / latest, learner, method)
         if not decay:
