@@ -217,6 +217,7 @@ class TabletopEnv(gym.Env):
         self._right_finger = self.model.body("right_finger").id
         self._renderer: mujoco.Renderer | None = None
         self._video_renderer: mujoco.Renderer | None = None
+        self._episode_model: tuple[np.ndarray, np.ndarray] | None = None  # what sample_episode may change, as built
         self.task = ""
         self.steps = 0
         self.bind()
@@ -255,6 +256,11 @@ class TabletopEnv(gym.Env):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
         mujoco.mj_resetData(self.model, self.data)
+        # An episode is its seed's alone: colours and placements an earlier episode gave objects this one leaves
+        # unused (an idle slot, visible to the wrist camera) go back to the built model's.
+        if self._episode_model is None:
+            self._episode_model = (self.model.geom_rgba.copy(), self.model.body_pos.copy())
+        self.model.geom_rgba[:], self.model.body_pos[:] = self._episode_model
         self.arm.set_home(self.data)
         self.task = self.sample_episode(self.np_random)
         mujoco.mj_forward(self.model, self.data)

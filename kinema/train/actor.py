@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kinema.train.buffer import StepBuffer
+from kinema.train.distributed import local_batch_size, shard, sync_gradients, world
 
 REPLAY_MIXING = ("fixed", "pooled")
 
@@ -44,6 +45,9 @@ def actor_updates(
 
     `loss_fn` replaces the flow-matching loss (e.g. DiffusionNFT's); `train_mode` False runs the policy in eval mode
     (no augmentation or state dropout), for losses that compare it with a frozen copy on the very same inputs.
+
+    Under torchrun (kinema.train.distributed) `batch_size` is the global batch: each rank draws its share from its
+    own disjoint shard of the demonstration and replay steps, and the ranks' gradients are averaged every step.
     """
     use_replay = replay is not None and replay_weights is not None and replay_weights.sum() > 0
     imitable = demos.imitable_index()
@@ -58,6 +62,14 @@ def actor_updates(
     else:
         replay_share = 1.0 - demo_fraction
     probs = replay_weights / replay_weights.sum() if use_replay else None
+    replay_rows: Any = len(replay) if use_replay else 0
+    if world()[1] > 1:  # this rank's disjoint shard of the steps (single process: untouched, the same draws)
+        imitable = shard(imitable)
+        if use_replay:
+            replay_rows = shard(np.arange(len(replay)))
+            shard_weights = replay_weights[replay_rows]
+            probs = shard_weights / shard_weights.sum() if shard_weights.sum() > 0 else None  # else uniform
+        batch_size = local_batch_size(batch_size, "the actor batch size")
     losses, n_replay_total = [], 0
     policy.train(train_mode)
     for _ in range(steps):
@@ -67,28 +79,39 @@ def actor_updates(
             n_replay = int(round(batch_size * replay_share))
         n_replay_total += n_replay
         parts = [demos.batch(rng.choice(imitable, batch_size - n_replay), policy.config.chunk_size)] if n_replay < batch_size else []
-        replay_index = rng.choice(len(replay), n_replay, p=probs) if n_replay else np.zeros(0, dtype=np.int64)
+        replay_index = rng.choice(replay_rows, n_replay, p=probs) if n_replay else np.zeros(0, dtype=np.int64)
         if n_replay:
             parts.append(replay.batch(replay_index, policy.config.chunk_size))
         batch = concat_batches(parts)
-        context, aux_features = policy.encode(batch)
-        if loss_fn is None:
-            loss = policy.flow_loss(batch, context=context).mean()
-        else:
-            loss = loss_fn(policy, batch, context, replay_index).mean()
-        if aux_weight and "aux_target" in batch:
-            loss = loss + aux_weight * policy.aux_loss(batch, aux_features).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optimizer.step()
-        losses.append(float(loss.detach()))
+        losses.append(actor_step(policy, optimizer, batch, loss_fn=loss_fn, replay_index=replay_index, aux_weight=aux_weight))
         if on_step is not None:
             on_step()
     return {
         "actor/loss": float(np.mean(losses)) if losses else float("nan"),
         "actor/replay_share": n_replay_total / (batch_size * steps) if steps else replay_share,
     }
+
+
+def actor_step(
+    policy: Any, optimizer: torch.optim.Optimizer, batch: dict, *, loss_fn: ActorLoss | None = None,
+    replay_index: np.ndarray | None = None, aux_weight: float = 0.0,
+) -> float:  # fmt: skip
+    """One gradient step on `batch` (mean per-sample loss); under torchrun the ranks' gradients are averaged before
+    clipping, so N ranks take the step one process takes on their batches concatenated. Returns this rank's loss."""
+    context, aux_features = policy.encode(batch)
+    if loss_fn is None:
+        loss = policy.flow_loss(batch, context=context).mean()
+    else:
+        replay_index = np.zeros(0, dtype=np.int64) if replay_index is None else replay_index
+        loss = loss_fn(policy, batch, context, replay_index).mean()
+    if aux_weight and "aux_target" in batch:
+        loss = loss + aux_weight * policy.aux_loss(batch, aux_features).mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    sync_gradients(optimizer)
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+    optimizer.step()
+    return float(loss.detach())
 
 
 def concat_batches(parts: Sequence[dict]) -> dict:

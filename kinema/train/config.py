@@ -71,6 +71,23 @@ class EvalConfig:
     baseline: bool = True  # evaluate the starting (SFT) policy; off when branching from a run that already did
 
 
+ROLLOUT_BACKENDS = ("local", "ray")
+
+
+@dataclass
+class RolloutOptions:
+    backend: str = "local"  # local: env worker processes on this machine (`workers`) | ray: Ray actors (`ray.*`)
+    ray_workers: int = 0  # ray: rollout actors, each with its own envs and policy copy (0: `workers`, at least 1)
+    gpus_per_worker: float = 0.0  # ray: GPU share of each actor (0: the policy runs on the actor's CPU)
+
+
+@dataclass
+class RayOptions:
+    address: str = ""  # join this cluster ("auto", "ray://host:port"); empty: start a local Ray on 127.0.0.1
+    num_cpus: int = 0  # a local Ray's CPUs (0: one per rollout actor)
+    object_store_mb: int = 256  # a local Ray's object store
+
+
 @dataclass
 class PolicyOptions:
     type: str = "vla"  # a registered policy type (policies.POLICY_TYPES)
@@ -123,6 +140,8 @@ class TrainConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rollout: RolloutOptions = field(default_factory=RolloutOptions)
+    ray: RayOptions = field(default_factory=RayOptions)
 
     # Keys an older kinema wrote, and where they live now: an old run's config.yaml still loads and resumes.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {
@@ -165,6 +184,13 @@ class TrainConfig:
         ):  # fmt: skip
             if value < 1:
                 raise ValueError(f"{name} must be >= 1; got {value}")
+        if self.rollout.backend not in ROLLOUT_BACKENDS:
+            raise ValueError(f"rollout.backend {self.rollout.backend!r} is not known; valid: {', '.join(ROLLOUT_BACKENDS)}")
+        if self.rollout.ray_workers < 0 or self.rollout.gpus_per_worker < 0 or self.ray.num_cpus < 0:
+            raise ValueError("rollout.ray_workers, rollout.gpus_per_worker and ray.num_cpus must be >= 0; got "
+                             f"{self.rollout.ray_workers}, {self.rollout.gpus_per_worker}, {self.ray.num_cpus}")
+        if self.ray.object_store_mb < 75:  # Ray refuses a smaller store
+            raise ValueError(f"ray.object_store_mb must be >= 75; got {self.ray.object_store_mb}")
         if self.demos.episodes < 1 and not self.dataset:
             raise ValueError(f"demos.episodes must be >= 1 (or give a dataset); got {self.demos.episodes}")
         if not 0.0 <= self.policy.ema_decay < 1.0:

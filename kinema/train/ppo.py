@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from diffusion_rl.advantages import gae, grpo_advantages
 from diffusion_rl.data import Episode
 from diffusion_rl.flow import ppo_clip_loss, sde_kl_loss
+from kinema.train.distributed import sync_gradients
 
 
 def restrict_to_flow_grpo_settings(policy: Any, optimizer: torch.optim.Optimizer, *, lr: float, expert_only: bool) -> None:
@@ -184,6 +185,7 @@ def flow_ppo_updates(
                 stats.setdefault("kl_to_reference", []).append(float(kl.mean().detach()))
             optimizer.zero_grad(set_to_none=True)
             loss.mean().backward()
+            sync_gradients(optimizer)  # torchrun: the ranks' mean, before clipping
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             optimizer.step()
             stats["loss"].append(float(loss.mean().detach()))

@@ -34,6 +34,7 @@ from kinema.common import (
     warn_if_other_task,
     write_collected,
 )
+from kinema.train import distributed
 from kinema.train.actor import actor_updates, ema_update
 from kinema.train.buffer import StepBuffer
 from kinema.train.config import TrainConfig
@@ -86,6 +87,25 @@ def _set_aside_interrupted_rollouts(rollouts: Path, last_round: int, console: Co
         console.print(f"rollouts of the interrupted {stale.name} kept as {dest}; the round runs again")
 
 
+class _FollowerRun(Run):
+    """A rank > 0's view of the run folder under torchrun: it reads it; rank 0 alone writes."""
+
+    def __init__(self, root: Path, console: Console) -> None:
+        self.root, self.console, self.board = root, console, None
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def resume(self) -> dict[str, Any]:
+        return self.state()
+
+    def close(self) -> None:
+        pass
+
+
 def evaluate_all(
     policy: Any, cfg: TrainConfig, episodes: int, *, heldout: bool, progress: RunProgress, label: str
 ) -> dict[str, EvalResult]:
@@ -116,6 +136,12 @@ def _eval_record(stage: str, results: dict[str, EvalResult], env_steps: int, rou
 
 def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = None) -> Path:
     console = console or Console(stderr=True)
+    if distributed.init_from_env():  # under torchrun: one data-parallel learner per rank
+        rank, size = distributed.world()
+        for name, value in (("sft.batch_size", cfg.sft.batch_size), ("rl.batch_size", cfg.rl.batch_size)):
+            distributed.local_batch_size(value, name)
+        if rank:
+            console = Console(file=io.StringIO())  # rank 0 speaks for the run
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
@@ -127,7 +153,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                          "folder, or an imported one)")
 
     # 1. Run folder ------------------------------------------------------------------------------------------------
-    run = Run(cfg.run_dir(), console, tensorboard=cfg.tensorboard, step_key="env_steps")
+    if distributed.is_main():
+        run = Run(cfg.run_dir(), console, tensorboard=cfg.tensorboard, step_key="env_steps")
+    else:
+        distributed.barrier()  # after rank 0 has checked the folder and made it
+        run = _FollowerRun(cfg.run_dir(), console)
     state = run.resume() if resume else {}  # drops metrics records the last checkpoint does not cover
     if resume and not state:
         raise FileNotFoundError(f"nothing to resume in {run.root}: no {STATE_FILE} (start it without --resume)")
@@ -135,7 +165,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
     # Checked before the demos are collected; a resumed run loads its own checkpoint instead.
     init_changes = _check_init_policy(cfg, console) if cfg.init_policy and not state.get("latest_checkpoint") else {}
-    write_text_atomic(run.root / "config.yaml", dump_config(cfg))
+    if distributed.is_main():
+        write_text_atomic(run.root / "config.yaml", dump_config(cfg))
+        distributed.barrier()
     cameras = CAMERAS
     latest = state.get("latest_checkpoint")
     start_round = state["round"] + 1 if latest else 1
@@ -148,6 +180,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         return _train(cfg, run, state, method_class, init_changes, cameras, rng, progress, console)
     finally:
         bar.stop()
+        if cfg.rollout.backend == "ray":
+            from kinema.train.ray_rollout import shutdown
+
+            shutdown()
 
 
 def _train(
@@ -174,6 +210,8 @@ def _train(
         demos = read_episodes(cfg.dataset)
         console.print(f"loaded {len(demos)} episodes from {cfg.dataset}")
         warn_if_other_task(demos, cfg.task, cfg.dataset, console)
+    elif not distributed.is_main():
+        demos = distributed.broadcast_object(None)  # rank 0's, collected or read once
     elif (collected := read_collected(demo_dir, task=cfg.task, seeds=demo_seeds, settings=demo_settings)) is not None:
         demos = collected
         progress.pace.planned["demo"] = 0  # collected by an earlier start of this run
@@ -186,6 +224,8 @@ def _train(
                 config=cfg.task_config or None, on_episode=lambda ep: progress.advance(),
             )  # fmt: skip
         demos = write_collected(demo_dir, demos, settings=demo_settings)
+    if not cfg.dataset and distributed.is_main():
+        distributed.broadcast_object(demos)
     demo_success = float(np.mean([e.outcome for e in demos])) if demos else 0.0
     demos = [ep for ep in demos if ep.outcome]  # imitate successes only
     if not demos:
@@ -198,6 +238,7 @@ def _train(
     policy_config = cfg.policy.config_class()(**cfg.policy.policy_fields(), cameras=cameras, aux_dim=aux_dim, extra={"tasks": [cfg.task]})
     policy = make_policy(cfg.policy.type, policy_config)
     policy.set_normalization(demo_buffer.stats())
+    distributed.broadcast_module(policy)  # every rank starts from rank 0's weights
     # `policy` trains; `acting` (its average, or itself when the decay is 0) collects rollouts, is evaluated and saved.
     decay = cfg.policy.ema_decay if method_class.acts_with_average else 0.0
     sft_steps = 0
@@ -221,6 +262,8 @@ def _train(
     success_model = RolloutSuccessModel(policy.config.hidden_dim, seed=cfg.seed)
     learner = Learner(cfg, run, policy, acting, optimizer, demo_buffer, rng, decay, success_model)
     method = method_class(learner)
+    if distributed.world()[1] > 1:  # critics built alike on every rank; from here each draws its own augmentation and noise
+        torch.manual_seed(cfg.seed + 7919 * distributed.world()[0])
     if latest:
         load_trainer_checkpoint(run.root / latest, learner, method)
         if not decay:
@@ -231,14 +274,16 @@ def _train(
     else:
         start_round = 1
         sft(learner, sft_steps, aux_weight=cfg.sft.aux_weight if aux_dim else 0.0, progress=progress, console=console)
-        if cfg.eval.baseline:
+        if cfg.eval.baseline and distributed.is_main():
             results = evaluate_all(acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout, progress=progress, label="SFT baseline")
             run.log(_eval_record("sft", results, 0, 0))
             _print_eval(console, "SFT", results)
             record_video_grid(acting, cfg, run.root / "videos", "before")
         state = {"round": 0, "env_steps": 0, "actor_step": 0, "latest_checkpoint": "checkpoints/sft"}
-        save_trainer_checkpoint(run, "sft", learner, method, state)
-        run.save_state(state)
+        if distributed.is_main():
+            save_trainer_checkpoint(run, "sft", learner, method, state)
+            run.save_state(state)
+        distributed.barrier()  # a method's prepare() may read checkpoints/sft
 
     # 4. RL rounds -----------------------------------------------------------------------------------------------------
     rounds = cfg.rl.rounds if method.has_rounds else 0
@@ -255,6 +300,8 @@ def _train(
             method.update(rollouts, record, progress)
             learner.actor_step += cfg.rl.updates_per_round
             run.log(record)
+            if not distributed.is_main():  # evaluation, checkpoints and the report are rank 0's
+                continue
             results = evaluate_all(learner.acting, cfg, cfg.eval.round_episodes, heldout=False, progress=progress, label=f"round {r}: evaluation")
             # The estimate of the time left, kept so that its honesty can be checked against when the run ended.
             run.log({**_eval_record("round", results, learner.env_steps, r), "run/seconds_left_estimate": round(progress.pace.seconds_left(), 1)})
@@ -263,11 +310,15 @@ def _train(
             save_trainer_checkpoint(run, f"round-{r:03d}", learner, method, state)
             run.save_state(state)
     except KeyboardInterrupt:
+        if not distributed.is_main():
+            raise
         path = save_trainer_checkpoint(run, "interrupted", learner, method, state)
         console.print(f"[yellow]interrupted: the policy so far is in {path}; continue with `kinema train --resume {run.root}`")
         raise
 
     # 5. Final evaluation and report ------------------------------------------------------------------------------------
+    if not distributed.is_main():
+        return run.root
     if rounds and not state.get("final_done"):
         results = evaluate_all(learner.acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout, progress=progress, label="final evaluation")
         run.log(_eval_record("final", results, learner.env_steps, rounds))

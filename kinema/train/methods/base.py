@@ -17,6 +17,7 @@ import torch
 from diffusion_rl.data import Episode
 from diffusion_rl.data.lerobot_v3 import write_episodes
 from kinema.common import Run
+from kinema.train.distributed import broadcast_object, is_main, world
 from kinema.train.actor import ActorLoss, actor_updates, ema_update, policy_features, split_per_episode
 from kinema.train.buffer import StepBuffer
 from kinema.train.evaluate import ChunkPolicy, summarize
@@ -105,7 +106,8 @@ class RLMethod:
         cfg = self.cfg
         seeds, runner = self.rollout_plan(ROLLOUT_SEED_OFFSET + round_index * 1000)
         with progress.phase(f"round {round_index}: rollouts (episodes)", len(seeds), kind="rollout"):
-            new = roll_out_policy(runner, cfg, seeds, round_index, on_episode=lambda ep: progress.advance())
+            new = roll_out_policy(runner, cfg, seeds, round_index, on_episode=lambda ep: progress.advance(), record=record,
+                                  log=progress.bar.console.print)  # fmt: skip
             rollouts = self.digest(round_index, new, record)
         rollouts.chunks = runner.chunk_records()
         return rollouts
@@ -114,7 +116,8 @@ class RLMethod:
         """Write a round's rollouts to the run folder, add them to the replay, take the acting policy's features of
         the replay and refit the success model on the new ones (RLER)."""
         learner, cfg = self.learner, self.cfg
-        write_episodes(learner.run.root / "rollouts" / f"round-{round_index:03d}", new)
+        if is_main():  # under torchrun, rank 0 alone writes the run folder
+            write_episodes(learner.run.root / "rollouts" / f"round-{round_index:03d}", new)
         learner.env_steps += sum(len(ep) for ep in new)
         stats = summarize(new)
         record.update({"rollout/success": stats.success, "rollout/episodes": stats.episodes,
@@ -169,12 +172,39 @@ class RLMethod:
 
 def roll_out_policy(
     runner: ChunkPolicy, cfg: TrainConfig, seeds: Sequence[int], round_index: int, *,
-    on_episode: Callable[[Episode], None] | None = None,
+    on_episode: Callable[[Episode], None] | None = None, record: dict[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> list[Episode]:  # fmt: skip
-    """One episode per seed with `runner` acting (with the simulated human when `rl.interventions`)."""
+    """One episode per seed with `runner` acting (with the simulated human when `rl.interventions`), on this
+    machine's env workers or on Ray actors (`rollout.backend`); the Ray backend's re-runs and weight broadcast go
+    into `record`. Under torchrun rank 0 rolls out and every rank gets its episodes (and the runner's records)."""
+    if world()[1] > 1:
+        episodes = _roll_out(runner, cfg, seeds, round_index, on_episode, record, log) if is_main() else None
+        episodes, runner.finished, runner.records, extra = broadcast_object(
+            (episodes, runner.finished, runner.records, {k: v for k, v in (record or {}).items() if k.startswith("rollout/")})
+        )  # fmt: skip
+        if record is not None:
+            record.update(extra)
+        return episodes
+    return _roll_out(runner, cfg, seeds, round_index, on_episode, record, log)
+
+
+def _roll_out(
+    runner: ChunkPolicy, cfg: TrainConfig, seeds: Sequence[int], round_index: int,
+    on_episode: Callable[[Episode], None] | None, record: dict[str, Any] | None, log: Callable[[str], None] | None,
+) -> list[Episode]:  # fmt: skip
     kwargs: dict[str, Any] = dict(image_size=cfg.policy.image_size, config=cfg.task_config or None)
     if cfg.rl.interventions:
         kwargs.update(actor="monitored", monitor=MonitorConfig())
+    if cfg.rollout.backend == "ray":
+        from kinema.train.ray_rollout import roll_out_on_ray
+
+        episodes, reran, broadcast = roll_out_on_ray(runner, cfg, seeds, round_index, kwargs, on_episode=on_episode)
+        if record is not None:
+            record.update({"rollout/reran": reran, "rollout/broadcast_ms": broadcast["ms"], "rollout/broadcast_bytes": broadcast["bytes"]})
+        if reran and log is not None:
+            log(f"[yellow]round {round_index}: a Ray rollout actor died; {reran} episode(s) re-ran on a new one with the same seeds")
+        return episodes
     num_envs = max(1, min(cfg.num_envs, len(seeds)))
     vector = make_vector(cfg.task, num_envs, num_workers=min(cfg.workers, num_envs), **kwargs)
     try:
