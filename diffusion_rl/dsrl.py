@@ -6,7 +6,9 @@ SAC on that MDP: twin Q(φ, w) with Polyak target networks, the actor maximising
 target entropy (−dim w, SAC's default). The noise is tanh-squashed to [−bound, bound]: the base sampler was trained
 on N(0, I) noise, and far-out noise leaves its training support.
 
-Our choices: transitions are per executed chunk with discount γ^h (h executed env steps) and the sparse outcome
+Our choices: the critics' target leaves out the entropy bonus by default (`backup_entropy`, as jaxrl's SAC allows):
+with a noise of 50+ dimensions, α·entropy per chunk outweighs a sparse reward of at most 1 by orders of magnitude
+and the soft Q would rank noises by entropy, not success; the actor keeps SAC's entropy term. Transitions are per executed chunk with discount γ^h (h executed env steps) and the sparse outcome
 reward of `chunk_q` (1 at the succeeding step, discounted within the chunk); the critics read the base policy's
 observation features (DSRL reads its own encoder's or the base's).
 """
@@ -72,7 +74,7 @@ class DSRLAgent(nn.Module):
 
     def __init__(
         self, feature_dim: int, noise_dim: int, *, hidden_dim: int = 256, bound: float = 1.5, lr: float = 3e-4,
-        tau: float = 0.005, init_alpha: float = 0.1, target_entropy: float | None = None,
+        tau: float = 0.005, init_alpha: float = 0.1, target_entropy: float | None = None, backup_entropy: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         self.actor = NoiseActor(feature_dim, noise_dim, hidden_dim=hidden_dim, bound=bound)
@@ -81,7 +83,7 @@ class DSRLAgent(nn.Module):
         self.target.load_state_dict(self.critic.state_dict())
         self.target.requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(math.log(init_alpha)))
-        self.tau = tau
+        self.tau, self.backup_entropy = tau, backup_entropy
         self.target_entropy = -float(noise_dim) if target_entropy is None else target_entropy
         self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=lr)
         self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=lr)
@@ -93,11 +95,14 @@ class DSRLAgent(nn.Module):
 
     def update(self, batch: dict[str, Tensor]) -> dict[str, float]:
         """One SAC step on transitions {x (B, F), noise (B, D), reward (B,), x_next (B, F), done (B,), discount (B,)}:
-        critics to r + γ^h (1 − done)(min Q_target(x', w') − α log π(w'|x')), w' ~ π; then the actor; then α."""
+        critics to r + γ^h (1 − done)·min Q_target(x', w'), w' ~ π (− α log π(w'|x') inside with `backup_entropy`);
+        then the actor; then α."""
         alpha = self.log_alpha.exp().detach()
         with torch.no_grad():
             w_next, logp_next = self.actor(batch["x_next"])
-            q_next = torch.min(*self.target(batch["x_next"], w_next)) - alpha * logp_next
+            q_next = torch.min(*self.target(batch["x_next"], w_next))
+            if self.backup_entropy:
+                q_next = q_next - alpha * logp_next
             y = batch["reward"] + batch["discount"] * (1.0 - batch["done"].float()) * q_next
         q1, q2 = self.critic(batch["x"], batch["noise"])
         critic_loss = (q1 - y).pow(2).mean() + (q2 - y).pow(2).mean()
