@@ -123,7 +123,7 @@ def test_dsrl_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_steers_with_i
     round_ = next(r for r in records(run) if r["kind"] == "round")
     assert round_["dsrl/new_transitions"] == round_["dsrl/transitions"] > 0 and "actor/loss" not in round_
     saved = torch.load(run / "checkpoints" / "final" / "method.pt", weights_only=False)
-    assert saved["name"] == "dsrl" and "agent" in saved["state"]
+    assert saved["name"] == "dsrl" and "agent" in saved["state"] and "transitions" not in saved["state"]  # eval needs no replay
     out = tmp_path / "eval"
     args = ["eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer", "--episodes", "1", "--splits", "train",
             "--workers", "0", "--videos", "0", "--task-config", '{"horizon": 100}', "--out", str(out)]  # fmt: skip

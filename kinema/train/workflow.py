@@ -72,7 +72,7 @@ METHOD_FILE = "method.pt"
 def method_file(method: RLMethod) -> bytes:
     """The method's name and state, saved beside every checkpoint's weights (the final one included)."""
     out = io.BytesIO()
-    torch.save({"name": method.name, "state": method.state_dict()}, out)
+    torch.save({"name": method.name, "state": method.export_state()}, out)
     return out.getvalue()
 
 

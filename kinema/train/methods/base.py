@@ -170,6 +170,10 @@ class RLMethod:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def export_state(self) -> dict[str, Any]:
+        """What `kinema eval` needs of the method (saved as a checkpoint's `method.pt`): by default its state."""
+        return self.state_dict()
+
     @classmethod
     def from_legacy_critics(cls, critics: dict[str, Any]) -> dict[str, Any]:
         """Its `state_dict` from a checkpoint written before the methods split (one `critics` dict for all)."""

@@ -123,9 +123,15 @@ class DSRL(RLMethod):
                     **{k: torch.zeros(0) for k in ("reward", "done", "discount")}, "x_next": torch.zeros(0, self.learner.policy.config.hidden_dim)}  # fmt: skip
         return {k: torch.stack(v).float() if torch.is_tensor(v[0]) else torch.tensor(v, dtype=torch.float32) for k, v in rows.items()}
 
+    def _shape(self) -> dict:
+        return {"noise_dim": self.noise_dim, "hidden_dim": self.options.hidden_dim, "bound": self.options.noise_bound}
+
     def state_dict(self) -> dict:
-        return {"agent": self.agent.state_dict(), "optimizers": self.agent.optim_state(), "transitions": self.transitions,
-                "shape": {"noise_dim": self.noise_dim, "hidden_dim": self.options.hidden_dim, "bound": self.options.noise_bound}}  # fmt: skip
+        return {"agent": self.agent.state_dict(), "optimizers": self.agent.optim_state(), "transitions": self.transitions, "shape": self._shape()}
+
+    def export_state(self) -> dict:
+        """The agent and its shape, without the transitions and optimisers only a resume needs."""
+        return {"agent": self.agent.state_dict(), "shape": self._shape()}
 
     def load_state_dict(self, state: dict) -> None:
         self.agent.load_state_dict(state["agent"])
