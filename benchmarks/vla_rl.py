@@ -19,6 +19,12 @@ then branches from that same checkpoint and the same demonstrations, through the
     flow_ppo_gae   the same with PPO's critic (GAE advantages) instead of GRPO groups, πRL's other arm
     nft            DiffusionNFT on the action expert: failed rollouts as negatives, not only successes as positives
                    (our application of NFT to the VLA)
+    pa_rl          policy-agnostic RL: rollouts execute the chunk critic's pick among 8 sampled chunks; the picks are
+                   distilled into the policy (evaluated at N = 1, the fair comparison)
+    dsrl           diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen
+
+`pa_rl_selection` in the JSON is the pa_rl arm's policy with value-guided selection at N = 8 at inference (V-GPS),
+with its batch-1 `latency_ms` beside that of N = 1.
 
 Last line: one JSON object, one entry per method with success, heldout_success, steps_to_success and
 gain_over_sft (success points over SFT), each success with its standard error; `_meta.task_run_minutes` is the
@@ -78,6 +84,8 @@ METHODS: dict[str, list[str]] = {
     "habc_nogate": ["--rl.method", "habc", "--rl.habc.gate", "fixed_mix"],
     "habc_nocredit": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_credit", "false"],
     "nft": ["--rl.method", "nft"],
+    "pa_rl": ["--rl.method", "pa_rl"],
+    "dsrl": ["--rl.method", "dsrl"],
 }
 
 BASELINES = ("sft", "sft_continued", "awr", "flow_ppo", "flow_ppo_gae")  # HABC's margin is over the best of these
@@ -86,7 +94,7 @@ HEADLINE = ("sft_continued", "awr", "flow_ppo", "habc", "habc_hil")  # with sft,
 QUICK = [
     "--demos.episodes", "8", "--sft.steps", "40", "--sft.batch_size", "16", "--rl.rounds", "1",
     "--rl.episodes_per_round", "4", "--rl.updates_per_round", "10", "--rl.batch_size", "16",
-    "--rl.habc.critic_steps", "20", "--rl.awr.critic_steps", "20", "--rl.ppo.critic_steps", "20", "--eval.episodes", "6", "--eval.round_episodes", "4", "--eval.heldout", "false",
+    "--rl.habc.critic_steps", "20", "--rl.awr.critic_steps", "20", "--rl.ppo.critic_steps", "20", "--rl.pa_rl.critic_steps", "20", "--rl.pa_rl.demo_episodes", "4", "--rl.dsrl.sac_steps", "20", "--eval.episodes", "6", "--eval.round_episodes", "4", "--eval.heldout", "false",
     "--eval.videos", "0", "--num_envs", "4", "--policy.image_size", "32", "--task_config", '{"horizon": 60}',
     "--workers", "0",  # envs in the run's own process: starting worker processes cost more than the tiny runs (174 s -> 63 s)
 ]  # fmt: skip
@@ -384,6 +392,25 @@ def main() -> None:
         print(f"{task:<12} " + "  ".join(f"{m} {100 * v:.0f}" for m, v in by_task[task].items() if m != "habc_margin_over_best_baseline")
               + (f"  | HABC - best baseline {100 * by_task[task]['habc_margin_over_best_baseline']:+.0f} pts" if "habc_margin_over_best_baseline" in by_task[task] else ""))
     summary["per_task_success"] = by_task
+    if "pa_rl" in methods:  # value-guided selection at N on the pa_rl arm's final policy, per run
+        picks = [(task, r) for task in tasks for seed in range(seeds) for r in _records(out / f"{task}-s{seed}" / "pa_rl")
+                 if r.get("kind") == "selection_eval"]  # fmt: skip
+        if picks:
+            summary["pa_rl_selection"] = {
+                "num_samples": picks[0][1]["num_samples"],
+                "success": _mean([r["train/success"] for _, r in picks]),
+                "success_se": _pooled_se([(r["train/success"], r["train/episodes"]) for _, r in picks]),
+                "latency_ms": round(float(np.mean([r["latency_ms"] for _, r in picks])), 2),
+                "latency_ms_n1": round(float(np.mean([r["latency_ms_n1"] for _, r in picks])), 2),
+                "per_task_success": {task: _mean([r["train/success"] for t, r in picks if t == task]) for task in tasks},
+            }
+            # Against the same policy at N = 1 (its final evaluation), paired by evaluation seed.
+            diffs = np.concatenate([paired_outcome_differences(final_eval(out / f"{task}-s{seed}" / "pa_rl", "final"), r, "train")
+                                    for task in tasks for seed in range(seeds) for r in _records(out / f"{task}-s{seed}" / "pa_rl")
+                                    if r.get("kind") == "selection_eval"])  # fmt: skip
+            if len(diffs) > 1:
+                summary["pa_rl_selection"]["paired_vs_n1"] = {"diff": round(float(diffs.mean()), 4), "n": len(diffs),
+                                                              "se": round(float(diffs.std(ddof=1) / math.sqrt(len(diffs))), 4)}
     # Wall minutes of this invocation (runs finished earlier and reused count zero), with the jobs it ran at once.
     summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "jobs": args.jobs, "start": args.start or "sft",
                         "runs_trained": len(sft_jobs) + len(arm_jobs), "minutes": round((time.time() - started) / 60, 1),

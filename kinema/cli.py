@@ -85,6 +85,9 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--videos", type=int, default=2, help="rollout MP4s written per split")
     ev.add_argument("--task-config", default="", help='JSON overrides of the task\'s difficulty, e.g. \'{"num_distractors": 0}\'')
     ev.add_argument("--threads", type=int, default=1, help="torch threads (one is fastest on a shared CPU)")
+    ev.add_argument("--select", type=int, default=0, metavar="N",
+                    help="value-guided selection: N sampled chunks per decision, the one the chunk critic of a pa_rl "
+                    "checkpoint (its method.pt) values most is executed; the batch-1 latency is reported (0: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:

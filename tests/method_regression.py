@@ -5,6 +5,7 @@ reproduces the numbers recorded in `fixtures/train_methods_reference.json`.
 Recording them again is a decision, not a chore: it says that a change of behaviour is intended.
 
     python tests/method_regression.py   # rewrites fixtures/train_methods_reference.json
+    python tests/method_regression.py pa_rl dsrl   # records (or re-records) those methods' entries only
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ RUNS: dict[str, list[str]] = {
     "nft": ["--rl.method", "nft"],
     "flow_ppo_grpo": ["--rl.method", "flow_ppo", "--rl.ppo.group_size", "2", "--rl.interventions", "true"],
     "flow_ppo_gae": ["--rl.method", "flow_ppo", "--rl.ppo.advantage", "gae", "--rl.ppo.critic_steps", str(CRITIC_STEPS)],
+    "pa_rl": ["--rl.method", "pa_rl", "--rl.pa_rl.num_samples", "4", "--rl.pa_rl.refine_steps", "1",
+              "--rl.pa_rl.critic_steps", str(CRITIC_STEPS), "--rl.pa_rl.demo_episodes", "2", "--rl.pa_rl.eval_samples", "2"],
+    "dsrl": ["--rl.method", "dsrl", "--rl.dsrl.sac_steps", str(CRITIC_STEPS), "--rl.dsrl.distill", "true"],
 }  # fmt: skip
 # The options as they were named before the methods had their own groups (the reference was recorded with these).
 LEGACY = {"--rl.awr.critic_steps": "--rl.habc.critic_steps", "--rl.ppo.group_size": "--rl.group_size",
@@ -94,9 +98,12 @@ if __name__ == "__main__":
 
     legacy = "--legacy-names" in sys.argv  # for a kinema from before the methods had their own option groups
     torch.set_num_threads(1)
-    out = {}
+    names = [a for a in sys.argv[1:] if not a.startswith("--")] or list(RUNS)
+    if unknown := [n for n in names if n not in RUNS]:
+        raise SystemExit(f"unknown run(s) {unknown}; valid: {', '.join(RUNS)}")
+    out = json.loads(REFERENCE.read_text()) if names != list(RUNS) else {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in RUNS:
+        for name in names:
             out[name] = run_method(name, Path(tmp), legacy_names=legacy)
             print(name, json.dumps(out[name])[:300], flush=True)
     REFERENCE.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")

@@ -132,15 +132,15 @@ def ema_update(ema: Any, online: Any, decay: float) -> None:
         e.copy_(o)
 
 
-def policy_features(policy: Any, buffer: StepBuffer, batch_size: int = 256) -> torch.Tensor:
-    """φ(s) for every step of a buffer, (N_steps, hidden_dim), in eval mode (no augmentation)."""
+def policy_features(policy: Any, buffer: StepBuffer, batch_size: int = 256, index: np.ndarray | None = None) -> torch.Tensor:
+    """φ(s) for every step of a buffer (or the flat steps `index`), (N, hidden_dim), in eval mode (no augmentation)."""
     was_training = policy.training
     policy.eval()
+    steps = np.arange(len(buffer)) if index is None else np.asarray(index)
     out = []
     with torch.no_grad():
-        for start in range(0, len(buffer), batch_size):
-            index = np.arange(start, min(start + batch_size, len(buffer)))
-            out.append(policy.features(buffer.batch(index, policy.config.chunk_size)))
+        for start in range(0, len(steps), batch_size):
+            out.append(policy.features(buffer.batch(steps[start : start + batch_size], policy.config.chunk_size)))
     policy.train(was_training)
     return torch.cat(out)
 

@@ -37,16 +37,25 @@ class ChunkPolicy:
     def about_to_act(self, seeds: list[int | None], steps: list[int | None]) -> None:
         self._episodes = (seeds, steps)
 
-    def _episode_noise(self, batch_size: int) -> torch.Tensor | None:
-        """(B, chunk, action_dim) standard normal noise, each env's drawn from its own (episode seed, step)."""
+    def _episode_noise(self, batch_size: int, samples: int = 0) -> torch.Tensor | None:
+        """(B, chunk, action_dim) standard normal noise, each env's drawn from its own (episode seed, step); with
+        `samples`, (B, samples, chunk, action_dim), drawn in turn from the same generator (the first sample is the
+        one drawn without `samples`)."""
         if self._episodes is None or len(self._episodes[0]) != batch_size:
             return None
         shape = (self.policy.config.chunk_size, self.policy.config.action_dim)
         rows = []
         for seed, step in zip(*self._episodes):
             key = np.random.SeedSequence([int(seed), int(step)]).generate_state(1)[0] if seed is not None else 0
-            rows.append(torch.randn(shape, generator=torch.Generator().manual_seed(int(key))))
+            g = torch.Generator().manual_seed(int(key))
+            draws = [torch.randn(shape, generator=g) for _ in range(max(samples, 1))]
+            rows.append(torch.stack(draws) if samples else draws[0])
         return torch.stack(rows).to(self.policy.device)
+
+    def sample(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The ODE chunks (B, chunk, action_dim) to act with: the policy's, from the per-episode noise. Runners that
+        choose or steer chunks (PA-RL's selection, DSRL's noise actor) override this."""
+        return self.policy.predict_action_chunk(batch, noise=self._episode_noise(len(batch["task"])))
 
     @torch.no_grad()
     def __call__(self, obs: dict[str, Any]) -> np.ndarray:
@@ -54,7 +63,7 @@ class ChunkPolicy:
         self.policy.eval()
         batch = {k: (torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v) for k, v in obs.items()}
         if self.sde_noise is None:
-            chunk = self.policy.predict_action_chunk(batch, noise=self._episode_noise(len(batch["task"])))
+            chunk = self.sample(batch)
         else:
             chunk, record = self.policy.sample_chunk_sde(batch, noise_level=self.sde_noise)
             self._last = ({k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in batch.items()}, record)
@@ -74,8 +83,80 @@ class ChunkPolicy:
         if self._last is None:
             return
         batch, record = self._last
-        obs = {k: v[env_index] for k, v in batch.items()}
-        self.records[(episode, step)] = {"obs": obs, **{k: (v[env_index] if v.ndim > 1 else v) for k, v in record.items()}}
+        obs = {"obs": {k: v[env_index] for k, v in batch.items()}} if batch is not None else {}
+        self.records[(episode, step)] = {**obs, **{k: (v[env_index] if v.ndim > 1 else v) for k, v in record.items()}}
+
+
+class SelectChunkPolicy(ChunkPolicy):
+    """PA-RL's action choice, and V-GPS at inference: `num_samples` ODE chunks per observation (from the per-episode
+    noise, the first being `ChunkPolicy`'s own), optionally refined by `refine_steps` gradient steps on the chunk
+    critic, and the one the critic values most is executed. With `record`, every executed chunk (the whole
+    chunk_size) is kept by (episode, step): `chunk_records()`, what PA-RL distils."""
+
+    def __init__(self, policy: Any, critic: Any, *, num_samples: int, refine_steps: int = 0, step_size: float = 0.0,
+                 record: bool = False) -> None:  # fmt: skip
+        super().__init__(policy)
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1; got {num_samples}")
+        self.critic, self.num_samples, self.refine_steps, self.step_size, self.record = critic, num_samples, refine_steps, step_size, record
+
+    def sample(self, batch: dict[str, Any]) -> torch.Tensor:
+        from diffusion_rl.chunk_q import refine_chunks, select_chunks
+
+        B, N = len(batch["task"]), self.num_samples
+        cfg = self.policy.config
+        noise = self._episode_noise(B, samples=N)
+        if noise is None:
+            noise = torch.randn(B, N, cfg.chunk_size, cfg.action_dim, device=self.policy.device)
+        features = self.policy.features(batch)
+        context = features.repeat_interleave(N, dim=0)
+        chunks = self.policy.predict_action_chunk(batch, noise=noise.flatten(0, 1), context=context).reshape(B, N, cfg.chunk_size, cfg.action_dim)
+        self.critic.eval()
+        chunks = refine_chunks(self.critic, features, chunks, steps=self.refine_steps, step_size=self.step_size)
+        chosen, index, _ = select_chunks(self.critic, features, chunks)
+        if self.record:
+            self._last = (None, {"chunk": chosen.cpu(), "sample_index": index.cpu()})
+        return chosen
+
+
+class SteeredChunkPolicy(ChunkPolicy):
+    """DSRL's acting: the noise actor turns the observation's features into the frozen sampler's initial noise
+    (its Gaussian's ε is the per-episode noise, so a steered episode replays the same on the same seed; deterministic:
+    the actor's mean). With `record`, the noise of every executed chunk is kept by (episode, step)."""
+
+    def __init__(self, policy: Any, actor: Any, *, deterministic: bool = True, record: bool = False) -> None:
+        super().__init__(policy)
+        self.actor, self.deterministic, self.record = actor, deterministic, record
+
+    def sample(self, batch: dict[str, Any]) -> torch.Tensor:
+        B = len(batch["task"])
+        cfg = self.policy.config
+        eps = self._episode_noise(B)
+        features = self.policy.features(batch)
+        self.actor.eval()
+        noise, _ = self.actor(features, deterministic=self.deterministic, eps=None if eps is None else eps.flatten(1))
+        if self.record:
+            self._last = (None, {"noise": noise.cpu()})
+        return self.policy.predict_action_chunk(batch, noise=noise.reshape(B, cfg.chunk_size, cfg.action_dim), context=features)
+
+
+def batch1_latency_ms(runner: ChunkPolicy, task: str, *, image_size: int, task_config: dict | None = None, repeats: int = 10) -> float:
+    """Median wall milliseconds of one runner call on a single observation (what a robot waits for each chunk)."""
+    import time
+
+    vector = make_vector(task, 1, num_workers=0, image_size=image_size, config=task_config)
+    try:
+        obs, _ = vector.reset_at(0, EVAL_SEED_OFFSET)
+    finally:
+        vector.close()
+    batch = {k: (v.copy() if isinstance(v, np.ndarray) else list(v)) for k, v in obs.items()}  # already a batch of 1
+    runner(batch)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner(batch)
+        times.append(1000 * (time.perf_counter() - start))
+    return float(np.median(times))
 
 
 @dataclass
@@ -163,9 +244,11 @@ def evaluate(
     task_config: dict | None = None,
     seed: int = 0,
     on_episode: Callable[[Episode], None] | None = None,
+    runner: ChunkPolicy | None = None,
 ) -> tuple[EvalResult, list[Episode]]:
     """Roll the policy out on held-out seeds. `split`: "train" (training templates and objects),
-    "heldout_instructions" (paraphrases) or "heldout_objects" (held-out object/colour combinations)."""
+    "heldout_instructions" (paraphrases) or "heldout_objects" (held-out object/colour combinations). `runner`:
+    what acts instead of `ChunkPolicy(policy)` (critic-selected or steered chunks)."""
     if split not in SPLITS:
         raise ValueError(f"unknown evaluation split {split!r}; valid: {sorted(SPLITS)}")
     num_envs = max(1, min(num_envs, episodes))
@@ -174,7 +257,7 @@ def evaluate(
     )
     try:
         seeds = range(EVAL_SEED_OFFSET + seed, EVAL_SEED_OFFSET + seed + episodes)
-        eps = collect(vector, ChunkPolicy(policy), seeds, task_id=task, policy_version="eval", record_privileged=False, on_episode=on_episode)
+        eps = collect(vector, runner or ChunkPolicy(policy), seeds, task_id=task, policy_version="eval", record_privileged=False, on_episode=on_episode)
     finally:
         vector.close()
     return summarize(eps, split), eps

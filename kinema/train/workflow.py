@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from kinema.train import distributed
 from kinema.train.actor import actor_updates, ema_update
 from kinema.train.buffer import StepBuffer
 from kinema.train.config import TrainConfig
-from kinema.train.evaluate import SPLIT_NAMES, SPLITS, EvalResult, evaluate
+from kinema.train.evaluate import SPLIT_NAMES, SPLITS, ChunkPolicy, EvalResult, evaluate
 from kinema.train.methods import METHODS, Learner, RLMethod
 from kinema.train.progress import RunPace, RunProgress, planned_work, round_line, start_panel, summary_table
 from kinema.train.report import record_video_grid, write_before_after, write_curves, write_diagnostics, write_report
@@ -53,7 +54,8 @@ from sim.tasks import SplitNotApplicable, check_task, has_expert
 
 def save_trainer_checkpoint(run: Run, name: str, learner: Learner, method: RLMethod, state: dict) -> Path:
     """The acting policy as the checkpoint (`policies.load_policy`), plus what --resume needs in `trainer.pt`: the
-    trained weights, the optimiser, the success model and the method's own critics."""
+    trained weights, the optimiser, the success model and the method's own critics; and `method.pt` (what
+    `kinema eval` reads: a DSRL noise actor, PA-RL's chunk critic for --select)."""
     trainer = io.BytesIO()
     torch.save(
         {"online": learner.policy.state_dict(), "optimizer": learner.optimizer.state_dict(),
@@ -61,8 +63,18 @@ def save_trainer_checkpoint(run: Run, name: str, learner: Learner, method: RLMet
         trainer,
     )  # fmt: skip
     path = run.root / "checkpoints" / name
-    learner.acting.save_pretrained(str(path), extra_files={"trainer.pt": trainer.getvalue()})
+    learner.acting.save_pretrained(str(path), extra_files={"trainer.pt": trainer.getvalue(), METHOD_FILE: method_file(method)})
     return path
+
+
+METHOD_FILE = "method.pt"
+
+
+def method_file(method: RLMethod) -> bytes:
+    """The method's name and state, saved beside every checkpoint's weights (the final one included)."""
+    out = io.BytesIO()
+    torch.save({"name": method.name, "state": method.export_state()}, out)
+    return out.getvalue()
 
 
 def load_trainer_checkpoint(path: Path, learner: Learner, method: RLMethod) -> None:
@@ -107,9 +119,11 @@ class _FollowerRun(Run):
 
 
 def evaluate_all(
-    policy: Any, cfg: TrainConfig, episodes: int, *, heldout: bool, progress: RunProgress, label: str
-) -> dict[str, EvalResult]:
-    """`episodes` evaluation episodes per split (the training split alone unless `heldout`), each with its bar."""
+    policy: Any, cfg: TrainConfig, episodes: int, *, heldout: bool, progress: RunProgress, label: str,
+    runner: Callable[[Any], ChunkPolicy] | None = None,
+) -> dict[str, EvalResult]:  # fmt: skip
+    """`episodes` evaluation episodes per split (the training split alone unless `heldout`), each with its bar;
+    `runner(policy)` acts instead of the policy's plain chunks (the method's `eval_runner`)."""
     splits = list(SPLITS) if heldout else ["train"]
     out = {}
     for split in splits:
@@ -118,7 +132,7 @@ def evaluate_all(
                 out[split], _ = evaluate(
                     policy, cfg.task, episodes=episodes, split=split, num_envs=cfg.num_envs, num_workers=cfg.workers,
                     image_size=cfg.policy.image_size, task_config=cfg.task_config or None, seed=cfg.seed * 10_000,
-                    on_episode=lambda ep: progress.advance(),
+                    on_episode=lambda ep: progress.advance(), runner=runner(policy) if runner else None,
                 )  # fmt: skip
         except SplitNotApplicable:
             progress.bar.console.print(f"{SPLIT_NAMES[split]}: not applicable to {cfg.task}")
@@ -302,7 +316,7 @@ def _train(
             run.log(record)
             if not distributed.is_main():  # evaluation, checkpoints and the report are rank 0's
                 continue
-            results = evaluate_all(learner.acting, cfg, cfg.eval.round_episodes, heldout=False, progress=progress, label=f"round {r}: evaluation")
+            results = evaluate_all(learner.acting, cfg, cfg.eval.round_episodes, heldout=False, progress=progress, label=f"round {r}: evaluation", runner=method.eval_runner)
             # The estimate of the time left, kept so that its honesty can be checked against when the run ended.
             run.log({**_eval_record("round", results, learner.env_steps, r), "run/seconds_left_estimate": round(progress.pace.seconds_left(), 1)})
             console.print(round_line(r, rounds, record, results, run.records()[-1].get("cpu_s")))
@@ -320,11 +334,13 @@ def _train(
     if not distributed.is_main():
         return run.root
     if rounds and not state.get("final_done"):
-        results = evaluate_all(learner.acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout, progress=progress, label="final evaluation")
+        results = evaluate_all(learner.acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout, progress=progress, label="final evaluation", runner=method.eval_runner)
         run.log(_eval_record("final", results, learner.env_steps, rounds))
         _print_eval(console, f"after RL ({method.name})", results)
+        for extra in method.final_evaluations(learner.acting, progress):
+            run.log({**extra, "env_steps": learner.env_steps, "round": rounds})
         record_video_grid(learner.acting, cfg, run.root / "videos", "after")
-        learner.acting.save_pretrained(str(run.root / "checkpoints" / "final"))
+        learner.acting.save_pretrained(str(run.root / "checkpoints" / "final"), extra_files={METHOD_FILE: method_file(method)})
         state["final_done"] = True
         run.save_state(state)
     records = run.records()

@@ -157,12 +157,25 @@ class RLMethod:
                 loss_fn=loss_fn, train_mode=train_mode, on_step=step,
             ))  # fmt: skip
 
+    # -- how its policy is evaluated -------------------------------------------------------------------------------------
+    def eval_runner(self, policy: Any) -> ChunkPolicy:
+        """What acts in the round and final evaluations: the policy's own ODE chunks (DSRL: steered by its actor)."""
+        return ChunkPolicy(policy)
+
+    def final_evaluations(self, policy: Any, progress: RunProgress) -> list[dict[str, Any]]:
+        """Evaluation records beside the final one (PA-RL: value-guided selection at N samples, with its latency)."""
+        return []
+
     # -- what a checkpoint keeps of the method (its critics) -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def export_state(self) -> dict[str, Any]:
+        """What `kinema eval` needs of the method (saved as a checkpoint's `method.pt`): by default its state."""
+        return self.state_dict()
 
     @classmethod
     def from_legacy_critics(cls, critics: dict[str, Any]) -> dict[str, Any]:

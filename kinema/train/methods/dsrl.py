@@ -1,0 +1,147 @@
+"""`rl.method dsrl`: diffusion steering (DSRL, Wagenmaker et al. 2025): SAC in the flow sampler's initial-noise space,
+the VLA frozen.
+
+A small Gaussian actor (`diffusion_rl.dsrl`) maps the observation's features to the noise the VLA's ODE sampler
+starts from; rollouts act with it (sampled, its ε the per-episode noise), and every executed chunk becomes a
+transition (features, noise, the chunk's discounted sparse reward, features at the next decision) kept for the whole
+run (off-policy). Each round: `sac_steps` SAC updates of the twin critics, the actor and the temperature. The
+VLA's weights do not change (unless `distill`); evaluations and `kinema eval` act with the actor's mean noise (the
+actor is saved in the checkpoint's `method.pt`).
+
+Our choices: the critics and the actor read the frozen VLA's fused features (DSRL may train its own encoder);
+noise is tanh-squashed to ±`noise_bound`; discount γ per env step (γ^h per chunk of h executed steps); with
+`distill`, the successful steered rollouts are imitated by the flow loss beside the demonstrations (DSRL's
+optional distillation; the actor then steers a moving base).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffusion_rl.dsrl import DSRLAgent
+from kinema.train.evaluate import SteeredChunkPolicy
+from kinema.train.methods.base import RLMethod
+from kinema.train.success import seeded
+
+
+@dataclass
+class DSRLOptions:
+    sac_steps: int = 400  # SAC updates per round
+    batch_size: int = 256
+    lr: float = 3e-4
+    gamma: float = 0.99  # discount per env step
+    tau: float = 0.005  # Polyak rate of the target critics
+    init_alpha: float = 0.1  # SAC temperature at the start (tuned to the target entropy −dim noise)
+    noise_bound: float = 1.5  # the actor's noise is tanh-squashed to ±bound
+    hidden_dim: int = 256  # of the actor and the critics
+    distill: bool = False  # also imitate the successful steered rollouts with the VLA (the base then moves)
+
+    def __post_init__(self) -> None:
+        for name in ("sac_steps", "batch_size"):
+            if getattr(self, name) < 0 or (name == "batch_size" and self.batch_size < 1):
+                raise ValueError(f"rl.dsrl.{name} must be >= {1 if name == 'batch_size' else 0}; got {getattr(self, name)}")
+        if self.noise_bound <= 0 or self.lr <= 0 or self.init_alpha <= 0:
+            raise ValueError(f"rl.dsrl.noise_bound, lr and init_alpha must be > 0; got {self.noise_bound}, {self.lr}, {self.init_alpha}")
+        if not 0 < self.gamma <= 1 or not 0 < self.tau <= 1:
+            raise ValueError(f"rl.dsrl.gamma and rl.dsrl.tau must be in (0, 1]; got {self.gamma}, {self.tau}")
+
+
+class DSRL(RLMethod):
+    name = "dsrl"
+    summary = "diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen (optionally distilled)"
+    options_key = "dsrl"
+    options_class = DSRLOptions
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.rl.interventions:
+            raise ValueError("rl.method dsrl learns from autonomous rollouts only; set rl.interventions false (or use habc)")
+
+    def __init__(self, learner) -> None:
+        super().__init__(learner)
+        o, pc = self.options, learner.policy.config
+        self.noise_dim = pc.chunk_size * pc.action_dim
+        self.agent = seeded(self.cfg.seed + 6, lambda: DSRLAgent(
+            pc.hidden_dim, self.noise_dim, hidden_dim=o.hidden_dim, bound=o.noise_bound, lr=o.lr, tau=o.tau, init_alpha=o.init_alpha))  # fmt: skip
+        self.transitions: dict[str, torch.Tensor] = {}
+
+    def rollout_plan(self, first_seed: int):
+        runner = SteeredChunkPolicy(self.learner.acting, self.agent.actor, deterministic=False, record=True)
+        return list(range(first_seed, first_seed + self.cfg.rl.episodes_per_round)), runner
+
+    def eval_runner(self, policy: Any) -> SteeredChunkPolicy:
+        return SteeredChunkPolicy(policy, self.agent.actor, deterministic=True)
+
+    def update(self, rollouts, record, progress) -> None:
+        o = self.options
+        new = self.chunk_transitions(rollouts)
+        self.transitions = {k: torch.cat([self.transitions[k], v]) if self.transitions else v for k, v in new.items()}
+        n = len(self.transitions["x"])
+        record.update({"dsrl/transitions": n, "dsrl/new_transitions": len(new["x"])})
+        stats: list[dict[str, float]] = []
+        self.agent.train()
+        with progress.phase(f"round {rollouts.round}: SAC (steps)", o.sac_steps, kind="update", units=0):
+            for _ in range(o.sac_steps if n else 0):
+                index = torch.from_numpy(self.learner.rng.integers(0, n, o.batch_size))
+                stats.append(self.agent.update({k: v[index] for k, v in self.transitions.items()}))
+                progress.advance()
+        for key in stats[0] if stats else ():
+            record[f"dsrl/{key}"] = float(np.mean([s[key] for s in stats]))
+        if o.distill:
+            weights = np.concatenate([np.full(len(ep), float(bool(ep.outcome))) for ep in rollouts.episodes])
+            self.imitate(rollouts, weights, record, progress)
+
+    def chunk_transitions(self, rollouts) -> dict[str, torch.Tensor]:
+        """One transition per executed chunk of the newest round: features at its decision step, the noise it
+        started from, γ^(T−1−t) when the episode succeeds at T−1 within the chunk (else 0), the features at the
+        next decision, done when the episode ended within the chunk, and the discount γ^(steps to that decision)."""
+        gamma = self.options.gamma
+        first_new = len(rollouts.episodes) - len(rollouts.new)
+        steps: dict[int, list[int]] = {}
+        for i, step in rollouts.chunks:
+            steps.setdefault(i, []).append(step)
+        rows: dict[str, list] = {k: [] for k in ("x", "noise", "reward", "x_next", "done", "discount")}
+        for i, decisions in steps.items():
+            ep, feats = rollouts.new[i], rollouts.features[first_new + i]
+            T = len(ep)
+            decisions = sorted(decisions)
+            for k, t in enumerate(decisions):
+                t_next = decisions[k + 1] if k + 1 < len(decisions) else T
+                success_here = bool(ep.outcome) and t <= T - 1 < t_next
+                rows["x"].append(feats[t])
+                rows["noise"].append(rollouts.chunks[i, t]["noise"])
+                rows["reward"].append(gamma ** (T - 1 - t) if success_here else 0.0)
+                rows["x_next"].append(feats[min(t_next, T - 1)])
+                rows["done"].append(float(t_next >= T))
+                rows["discount"].append(gamma ** (t_next - t))
+        if not rows["x"]:
+            return {"x": torch.zeros(0, self.learner.policy.config.hidden_dim), "noise": torch.zeros(0, self.noise_dim),
+                    **{k: torch.zeros(0) for k in ("reward", "done", "discount")}, "x_next": torch.zeros(0, self.learner.policy.config.hidden_dim)}  # fmt: skip
+        return {k: torch.stack(v).float() if torch.is_tensor(v[0]) else torch.tensor(v, dtype=torch.float32) for k, v in rows.items()}
+
+    def _shape(self) -> dict:
+        return {"noise_dim": self.noise_dim, "hidden_dim": self.options.hidden_dim, "bound": self.options.noise_bound}
+
+    def state_dict(self) -> dict:
+        return {"agent": self.agent.state_dict(), "optimizers": self.agent.optim_state(), "transitions": self.transitions, "shape": self._shape()}
+
+    def export_state(self) -> dict:
+        """The agent and its shape, without the transitions and optimisers only a resume needs."""
+        return {"agent": self.agent.state_dict(), "shape": self._shape()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.agent.load_state_dict(state["agent"])
+        self.agent.load_optim_state(state["optimizers"])
+        self.transitions = state["transitions"]
+
+
+def steered_runner(policy: Any, state: dict) -> SteeredChunkPolicy:
+    """`kinema eval` of a dsrl checkpoint: the VLA steered by the noise actor it saved (its mean noise)."""
+    shape = state["shape"]
+    agent = DSRLAgent(policy.config.hidden_dim, shape["noise_dim"], hidden_dim=shape["hidden_dim"], bound=shape["bound"])
+    agent.load_state_dict(state["agent"])
+    return SteeredChunkPolicy(policy, agent.actor.eval(), deterministic=True)
