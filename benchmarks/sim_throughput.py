@@ -7,6 +7,9 @@
 - ratio_camera = camera env steps/s / (1 / (physics time per control step + render time of both cameras));
   each the median over short blocks that measure the subject and its reference back to back, with its IQR.
 
+`--teleop` measures the demonstrators instead: per task, the simulated teleoperator's success and mean steps to
+success (`demos.source teleop`) against the scripted expert's on the same seeds, and their ratio.
+
 Last line: one JSON object.
 """
 
@@ -25,8 +28,9 @@ import mujoco
 import numpy as np
 
 from sim.env import SUBSTEPS
+from sim.experts import ExpertConfig, make_expert
 from sim.rollout import make_vector
-from sim.tasks import make
+from sim.tasks import TASKS, make
 
 
 def env_rate(task: str, steps: int, cameras: tuple[str, ...], size: int) -> tuple[float, np.ndarray, np.ndarray]:
@@ -96,14 +100,50 @@ def vector_rate(task: str, num_envs: int, workers: int, steps: int, size: int, c
         vector.close()
 
 
+def demonstrator(task: str, operator: str, seeds: range) -> tuple[float, float]:
+    """Success rate and mean steps to success (successful episodes) of one demonstrator over `seeds`."""
+    env = make(task, cameras=())
+    steps = []
+    for seed in seeds:
+        obs, _ = env.reset(seed=seed)
+        expert = make_expert(env, ExpertConfig(operator=operator), seed=seed)
+        for t in range(env.config.horizon):
+            obs, _, terminated, truncated, info = env.step(expert(obs))
+            if terminated or truncated:
+                if info["is_success"]:
+                    steps.append(t + 1)
+                break
+    env.close()
+    return len(steps) / len(seeds), float(np.mean(steps)) if steps else float("nan")
+
+
+def teleop_quality(seeds: range) -> dict:
+    out = {}
+    for task in TASKS:
+        (clean_success, clean_steps), (success, steps) = (demonstrator(task, op, seeds) for op in ("scripted", "teleop"))
+        out[task] = {"scripted_success": clean_success, "scripted_steps_to_success": round(clean_steps, 1),
+                     "teleop_success": success, "teleop_steps_to_success": round(steps, 1),
+                     "steps_ratio": round(steps / clean_steps, 2)}  # fmt: skip
+        print(f"{task:<11} scripted {clean_success:.0%} in {clean_steps:.1f} steps; teleop {success:.0%} in {steps:.1f} "
+              f"steps ({steps / clean_steps:.2f}x)", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short run (< 1 minute)")
+    parser.add_argument("--teleop", action="store_true",
+                        help="the demonstrators instead: the simulated teleoperator against the scripted expert, per task")
     parser.add_argument("--task", default="pick_place")
     parser.add_argument("--size", type=int, default=96)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--envs-per-worker", type=int, default=4)
     args = parser.parse_args()
+    if args.teleop:
+        seeds = range(20 if args.quick else 100)
+        print(json.dumps({"benchmark": "sim_throughput --teleop", "quick": args.quick, "seeds": len(seeds),
+                          "tasks": teleop_quality(seeds)}))  # fmt: skip
+        return
     cams = ("agentview", "wrist")
     # Each ratio is measured in short blocks, the subject and its reference back to back, so that whatever else the
     # machine does in a block hits both sides of that block's ratio alike; the median over blocks is reported, with

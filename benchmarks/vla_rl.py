@@ -22,18 +22,28 @@ then branches from that same checkpoint and the same demonstrations, through the
     pa_rl          policy-agnostic RL: rollouts execute the chunk critic's pick among 8 sampled chunks; the picks are
                    distilled into the policy (evaluated at N = 1, the fair comparison)
     dsrl           diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen
+    hg_dagger      HG-DAgger, the control of the habc_hil arms: the same simulated human, its takeovers imitated
+                   beside the demos at weight 1, aggregated over rounds
 
 `pa_rl_selection` in the JSON is the pa_rl arm's policy with value-guided selection at N = 8 at inference (V-GPS),
 with its batch-1 `latency_ms` beside that of N = 1.
 
+Demonstration regimes (--demos): `scripted` (the clean scripted expert) and `teleop` (a simulated teleoperator:
+slower, with pauses, hesitation and detours), each with its own SFTs and arms; the first regime's figures are the
+JSON's top level, each other's under `regimes.<name>` with the same keys.
+
 Last line: one JSON object, one entry per method with success, heldout_success, steps_to_success and
-gain_over_sft (success points over SFT), each success with its standard error; `_meta.task_run_minutes` is the
-wall time each task's runs took, summed (whether they ran at once or in turn), and `_meta.cpu_minutes_per_run`
-the CPU minutes per run of each arm (env workers included; unlike wall time, not inflated by runs sharing the
-CPU), with `sft_then_habc`: the compute HABC needs for a task from nothing.
+gain_over_sft (success points over SFT), each success with its standard error; `per_task.<task>` has per arm
+success, heldout_success, steps_to_success, cpu_minutes and demos_steps_ratio (the demonstrations' steps to success
+over the arm's: above 1, faster than its demonstrator), the demonstrations' own (`demos`), and
+best_rl_margin_over_control (the best RL arm's success minus sft_continued's, the arm in best_rl_arm);
+`_meta.task_run_minutes` is the wall time each task's runs took, summed (whether they ran at once or in turn), and
+`_meta.cpu_minutes_per_run` the CPU minutes per run of each arm (env workers included; unlike wall time, not
+inflated by runs sharing the CPU), with `sft_then_habc`: the compute HABC needs for a task from nothing.
 
     python benchmarks/vla_rl.py --quick                       # one task, the headline arms, tiny budget
     python benchmarks/vla_rl.py --tasks drawer --seeds 2      # runs one after another, with a live progress bar
+    python benchmarks/vla_rl.py --tasks push --demos teleop   # the teleoperator-quality regime alone
     python benchmarks/vla_rl.py --jobs 8 --out runs/bench     # 8 runs at once (logs in runs/bench/logs/)
     python benchmarks/vla_rl.py --tasks push --methods habc,sft_continued --out runs/staged \
         --start 'runs/bench/{task}-s{seed}/sft_continued'     # branch from the control's end: SFT to its plateau, then RL
@@ -86,10 +96,15 @@ METHODS: dict[str, list[str]] = {
     "nft": ["--rl.method", "nft"],
     "pa_rl": ["--rl.method", "pa_rl"],
     "dsrl": ["--rl.method", "dsrl"],
+    # the control of the human-in-the-loop arms: the same simulated human and takeover budget (the default monitor,
+    # as habc_hil and habc_hil_ir), imitating the demos plus the human's segments of every round, no credit weighting
+    "hg_dagger": ["--rl.method", "hg_dagger", "--rl.interventions", "true"],
 }
 
 BASELINES = ("sft", "sft_continued", "awr", "flow_ppo", "flow_ppo_gae")  # HABC's margin is over the best of these
 HEADLINE = ("sft_continued", "awr", "flow_ppo", "habc", "habc_hil")  # with sft, the arms --quick runs by default
+NOT_RL = ("sft", "sft_continued", "hg_dagger")  # imitation arms: best_rl_margin_over_control is over the others
+REGIMES = ("scripted", "teleop")  # demos.source of each regime's SFTs (--demos)
 
 QUICK = [
     "--demos.episodes", "8", "--sft.steps", "40", "--sft.batch_size", "16", "--rl.rounds", "1",
@@ -233,11 +248,11 @@ def _run_dataset(run: Path) -> Path:
     return Path(dataset) if dataset else run / "demos"
 
 
-def _start_run(pattern: str, task: str, seed: int, parser: argparse.ArgumentParser) -> Path:
+def _start_run(pattern: str, regime: str, task: str, seed: int, parser: argparse.ArgumentParser) -> Path:
     try:
-        run = Path(pattern.format(task=task, seed=seed))
+        run = Path(pattern.format(task=task, seed=seed, regime=regime))
     except (KeyError, IndexError, ValueError) as err:
-        parser.error(f"--start {pattern!r}: only {{task}} and {{seed}} can be filled in ({err})")
+        parser.error(f"--start {pattern!r}: only {{task}}, {{seed}} and {{regime}} can be filled in ({err})")
     if not _final_done(run):
         parser.error(f"--start: {run} is not a finished `kinema train` run (expected its state.json with the final "
                      "evaluation done, and checkpoints/final)")
@@ -260,6 +275,12 @@ def main() -> None:
     parser.add_argument("--methods", default=None,
                         help=f"arms, comma-separated (default: all of {', '.join(METHODS)}; with --quick: {', '.join(HEADLINE)})")
     parser.add_argument(
+        "--demos", default=None, metavar="REGIMES",
+        help="demonstration regimes, comma-separated, each with SFTs and arms of its own: scripted (the clean expert) "
+        "and teleop (a simulated teleoperator: slower, pauses, hesitates, detours). Default: scripted,teleop; with "
+        "--quick: scripted. The first regime's figures are the JSON's top level, each other's under regimes.<name>",
+    )
+    parser.add_argument(
         "--config", default="{task}_habc",
         help="base config of each task's runs: a YAML path or shipped name; {task} is replaced by the task "
         "(default: the shipped <task>_habc.yaml, which sets the demo count and SFT budget that place SFT at 20-60%%)",
@@ -267,9 +288,10 @@ def main() -> None:
     parser.add_argument(
         "--start", default="", metavar="RUN",
         help="branch every arm from this finished run instead of the benchmark's own SFT: a run folder with {task} "
-        "and {seed}, e.g. runs/bench_vla_rl/{task}-s{seed}/sft_continued (a two-stage protocol: imitation to its "
-        "plateau first, so that the control has little left to gain). Its final checkpoint is the start, its final "
-        "evaluation the `sft` row, and its CPU minutes with those of the runs it branched from the start's budget",
+        "and {seed} (and {regime} with several regimes), e.g. runs/bench_vla_rl/{task}-s{seed}/sft_continued (a "
+        "two-stage protocol: imitation to its plateau first, so that the control has little left to gain). Its final "
+        "checkpoint is the start, its final evaluation the `sft` row, and its CPU minutes with those of the runs it "
+        "branched from the start's budget",
     )
     parser.add_argument("--out", default="runs/bench_vla_rl")
     parser.add_argument("--jobs", type=int, default=1,
@@ -281,54 +303,96 @@ def main() -> None:
     methods = (args.methods or ",".join(HEADLINE if args.quick else METHODS)).split(",")
     if unknown := [m for m in methods if m not in METHODS]:
         parser.error(f"--methods: unknown arm(s) {', '.join(unknown)}; valid: {', '.join(METHODS)}")
+    regimes = (args.demos or ("scripted" if args.quick else ",".join(REGIMES))).split(",")
+    if unknown := [r for r in regimes if r not in REGIMES] or len(set(regimes)) < len(regimes):
+        parser.error(f"--demos: {args.demos!r} is not a list of distinct regimes; valid: {', '.join(REGIMES)}")
+    if args.start and len(regimes) > 1 and "{regime}" not in args.start:
+        parser.error("--start: with several --demos regimes the start must name {regime} (each regime branches from its own)")
     base_overrides = (QUICK if args.quick else []) + overrides
     out = Path(args.out + ("_quick" if args.quick else ""))
     started = time.time()
 
-    # 1. Runs: one SFT per task and seed, then every method from it. A finished run is reused and an interrupted
-    # one resumed, so a killed benchmark continues where it stopped.
+    # 1. Runs: per regime, one SFT per task and seed, then every method from it. A finished run is reused and an
+    # interrupted one resumed, so a killed benchmark continues where it stopped.
     configs = {task: args.config.format(task=task) if args.config else None for task in tasks}
     sft_jobs, arm_jobs = [], []
-    starts = {(task, seed): _start_run(args.start, task, seed, parser) if args.start else out / f"{task}-s{seed}" / "sft"
-              for task in tasks for seed in range(seeds)}  # fmt: skip
-    arm_runs = {(out / f"{task}-s{seed}" / m).resolve() for task in tasks for seed in range(seeds) for m in methods}
+    starts = {(regime, task, seed): _start_run(args.start, regime, task, seed, parser) if args.start else
+              _task_dir(out, regime, task, seed) / "sft" for regime in regimes for task in tasks for seed in range(seeds)}  # fmt: skip
+    arm_runs = {(_task_dir(out, r, task, seed) / m).resolve() for r in regimes for task in tasks for seed in range(seeds) for m in methods}
     if args.start and (clash := [run for run in starts.values() if run.resolve() in arm_runs]):
         parser.error(f"--start: {clash[0]} is also where an arm of this --out trains; give the arms another --out")
-    for task in tasks:
-        for seed in range(seeds):
-            base = starts[task, seed]
-            start_checkpoint, demos = (base / "checkpoints" / "final", _run_dataset(base)) if args.start else (
-                base / "checkpoints" / "sft", base / "demos")  # fmt: skip
-            if not args.start and not _sft_done(base):
-                if base.exists():  # an SFT killed before its checkpoint and evaluation: it has no round to resume
-                    set_aside(base, f"{base.name}-interrupted")
-                    for arm in base.parent.iterdir():  # arms branched from that SFT do not belong to the new one
-                        if arm.is_dir() and arm.name in METHODS:
-                            set_aside(arm, f"{arm.name}-interrupted")
-                sft_jobs.append(Job(base, configs[task], [*base_overrides, "--task", task, "--seed", str(seed), "--rl.method", "none"]))
-            for method in methods:
-                run = out / f"{task}-s{seed}" / method
-                if not _final_done(run):
-                    if run.exists() and not (run / "state.json").exists():  # killed before its first checkpoint
-                        set_aside(run, f"{run.name}-interrupted")
-                    arm_jobs.append(Job(run, configs[task], [
-                        *base_overrides, *METHODS[method], "--task", task, "--seed", str(seed), "--init_policy",
-                        str(start_checkpoint), "--dataset", str(demos), "--eval.baseline", "false",
-                    ]))  # fmt: skip
+    for regime in regimes:
+        for task in tasks:
+            for seed in range(seeds):
+                base = starts[regime, task, seed]
+                start_checkpoint, demos = (base / "checkpoints" / "final", _run_dataset(base)) if args.start else (
+                    base / "checkpoints" / "sft", base / "demos")  # fmt: skip
+                common = [*base_overrides, "--task", task, "--seed", str(seed), "--demos.source", regime]
+                if not args.start and not _sft_done(base):
+                    if base.exists():  # an SFT killed before its checkpoint and evaluation: it has no round to resume
+                        set_aside(base, f"{base.name}-interrupted")
+                        for arm in base.parent.iterdir():  # arms branched from that SFT do not belong to the new one
+                            if arm.is_dir() and arm.name in METHODS:
+                                set_aside(arm, f"{arm.name}-interrupted")
+                    sft_jobs.append(Job(base, configs[task], [*common, "--rl.method", "none"]))
+                for method in methods:
+                    run = _task_dir(out, regime, task, seed) / method
+                    if not _final_done(run):
+                        if run.exists() and not (run / "state.json").exists():  # killed before its first checkpoint
+                            set_aside(run, f"{run.name}-interrupted")
+                        arm_jobs.append(Job(run, configs[task], [
+                            *common, *METHODS[method], "--init_policy", str(start_checkpoint), "--dataset", str(demos),
+                            "--eval.baseline", "false",
+                        ]))  # fmt: skip
     run_jobs(sft_jobs, jobs_at_once=args.jobs, logs=out / "logs")
     run_jobs(arm_jobs, jobs_at_once=args.jobs, logs=out / "logs")
 
-    # 2. The table, from the runs' metrics.
+    # 2. The tables, from the runs' metrics: the first regime's at the top level, each other's under regimes.<name>.
+    blocks = {}
+    for regime in regimes:
+        print(f"\n[{regime} demonstrations]")
+        blocks[regime], run_minutes, cpu_minutes = regime_summary(
+            out, regime, tasks, seeds, methods, {(t, s): starts[regime, t, s] for t in tasks for s in range(seeds)},
+            from_start=bool(args.start),
+        )  # fmt: skip
+        if regime != regimes[0]:
+            blocks[regime]["_meta"] = {"task_run_minutes": run_minutes, "cpu_minutes_per_run": cpu_minutes}
+        else:
+            first_minutes, first_cpu = run_minutes, cpu_minutes
+    summary = blocks[regimes[0]]
+    if len(regimes) > 1:
+        summary["regimes"] = {r: blocks[r] for r in regimes[1:]}
+    # Wall minutes of this invocation (runs finished earlier and reused count zero), with the jobs it ran at once.
+    summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "jobs": args.jobs, "start": args.start or "sft",
+                        "demos": regimes, "runs_trained": len(sft_jobs) + len(arm_jobs),
+                        "minutes": round((time.time() - started) / 60, 1), "task_run_minutes": first_minutes,
+                        "cpu_minutes_per_run": first_cpu}  # fmt: skip
+    print(json.dumps(summary))
+
+
+def _task_dir(out: Path, regime: str, task: str, seed: int) -> Path:
+    """The folder of a task and seed's runs: the scripted regime where the benchmark always kept them."""
+    return out / (f"{task}-s{seed}" if regime == "scripted" else f"{task}-{regime}-s{seed}")
+
+
+def regime_summary(
+    out: Path, regime: str, tasks: list[str], seeds: int, methods: list[str], starts: dict[tuple[str, int], Path], *,
+    from_start: bool,
+) -> tuple[dict, dict[str, float], dict[str, dict[str, float]]]:  # fmt: skip
+    """One regime's figures: per arm pooled over tasks and seeds, and per task (`per_task`); with the wall minutes
+    of each task's runs and the CPU minutes per run of each arm."""
     rows: dict[str, dict[str, list]] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
     # Per arm, per-seed outcome differences (training templates) against SFT and against the control, pooled over
     # tasks and seeds: every arm of a task and seed is evaluated on the same seeds with seeded sampling noise.
     paired: dict[str, dict[str, list[np.ndarray]]] = {m: {"sft": [], "sft_continued": []} for m in methods}
     per_task: dict[str, dict[str, list]] = {}  # task -> method -> [train success] over seeds
+    per_task_rows: dict[str, dict[str, dict[str, list]]] = {}  # task -> method -> the rows, per task
+    demo_rows: dict[str, list[dict]] = {}  # task -> the demos record of each seed's start
     run_minutes: dict[str, float] = {}  # task -> the wall minutes its runs took, summed
     cpu_minutes: dict[str, dict[str, float]] = {}  # task -> arm -> CPU minutes per run, mean over seeds
     for task in tasks:
         def run_of(seed: int, m: str) -> Path:
-            return starts[task, seed] if m == "sft" else out / f"{task}-s{seed}" / m
+            return starts[task, seed] if m == "sft" else _task_dir(out, regime, task, seed) / m
 
         runs = [run_of(seed, m) for seed in range(seeds) for m in ["sft", *methods]]
         run_minutes[task] = round(sum(_run_minutes(r) for r in runs), 1)
@@ -338,15 +402,19 @@ def main() -> None:
                 cpu_minutes.setdefault(task, {})[m] = round(float(np.mean(spent)), 2)
         if {"sft", "habc"} <= cpu_minutes.get(task, {}).keys():  # HABC's budget for the task: its SFT, then its RL
             cpu_minutes[task]["sft_then_habc"] = round(cpu_minutes[task]["sft"] + cpu_minutes[task]["habc"], 2)
+        task_rows = per_task_rows[task] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
         for seed in range(seeds):
-            sft = final_eval(starts[task, seed], "final" if args.start else "sft")
-            _add(rows["sft"], sft, sft)
+            demo_rows.setdefault(task, []).append(next((r for r in _records(starts[task, seed]) if r.get("kind") == "demos"), {}))
+            sft = final_eval(starts[task, seed], "final" if from_start else "sft")
+            for target in (rows, task_rows):
+                _add(target["sft"], sft, sft)
             _add_task(per_task, task, "sft", sft)
-            finals = {m: final_eval(out / f"{task}-s{seed}" / m, "final") for m in methods}
+            finals = {m: final_eval(_task_dir(out, regime, task, seed) / m, "final") for m in methods}
             for method in methods:
-                run = out / f"{task}-s{seed}" / method
+                run = _task_dir(out, regime, task, seed) / method
                 final = finals[method]
-                _add(rows[method], final, sft)
+                for target in (rows, task_rows):
+                    _add(target[method], final, sft)
                 paired[method]["sft"].append(paired_outcome_differences(sft, final, "train"))
                 if "sft_continued" in finals and method != "sft_continued":
                     paired[method]["sft_continued"].append(paired_outcome_differences(finals["sft_continued"], final, "train"))
@@ -355,7 +423,7 @@ def main() -> None:
                     rows[method].setdefault("takeover", []).append((takeovers[0], takeovers[-1]))
                 _add_task(per_task, task, method, final)
 
-    summary = {}
+    summary: dict = {}
     print(f"\n{'method':<15} {'success':>14} {'held-out':>14} {'steps':>8} {'gain (pts)':>12}")
     for method, r in rows.items():
         entry = {
@@ -393,7 +461,7 @@ def main() -> None:
               + (f"  | HABC - best baseline {100 * by_task[task]['habc_margin_over_best_baseline']:+.0f} pts" if "habc_margin_over_best_baseline" in by_task[task] else ""))
     summary["per_task_success"] = by_task
     if "pa_rl" in methods:  # value-guided selection at N on the pa_rl arm's final policy, per run
-        picks = [(task, r) for task in tasks for seed in range(seeds) for r in _records(out / f"{task}-s{seed}" / "pa_rl")
+        picks = [(task, r) for task in tasks for seed in range(seeds) for r in _records(_task_dir(out, regime, task, seed) / "pa_rl")
                  if r.get("kind") == "selection_eval"]  # fmt: skip
         if picks:
             summary["pa_rl_selection"] = {
@@ -405,17 +473,38 @@ def main() -> None:
                 "per_task_success": {task: _mean([r["train/success"] for t, r in picks if t == task]) for task in tasks},
             }
             # Against the same policy at N = 1 (its final evaluation), paired by evaluation seed.
-            diffs = np.concatenate([paired_outcome_differences(final_eval(out / f"{task}-s{seed}" / "pa_rl", "final"), r, "train")
-                                    for task in tasks for seed in range(seeds) for r in _records(out / f"{task}-s{seed}" / "pa_rl")
+            diffs = np.concatenate([paired_outcome_differences(final_eval(_task_dir(out, regime, task, seed) / "pa_rl", "final"), r, "train")
+                                    for task in tasks for seed in range(seeds) for r in _records(_task_dir(out, regime, task, seed) / "pa_rl")
                                     if r.get("kind") == "selection_eval"])  # fmt: skip
             if len(diffs) > 1:
                 summary["pa_rl_selection"]["paired_vs_n1"] = {"diff": round(float(diffs.mean()), 4), "n": len(diffs),
                                                               "se": round(float(diffs.std(ddof=1) / math.sqrt(len(diffs))), 4)}
-    # Wall minutes of this invocation (runs finished earlier and reused count zero), with the jobs it ran at once.
-    summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "jobs": args.jobs, "start": args.start or "sft",
-                        "runs_trained": len(sft_jobs) + len(arm_jobs), "minutes": round((time.time() - started) / 60, 1),
-                        "task_run_minutes": run_minutes, "cpu_minutes_per_run": cpu_minutes}
-    print(json.dumps(summary))
+    summary["per_task"] = {task: task_entry(per_task_rows[task], demo_rows[task], cpu_minutes.get(task, {})) for task in tasks}
+    for task, entry in summary["per_task"].items():  # the task's own selection figures beside its arms
+        mine = [r for t, r in picks if t == task] if "pa_rl" in methods else []
+        if mine:
+            entry["pa_rl_selection"] = {"success": _mean([r["train/success"] for r in mine]),
+                                        "latency_ms": round(float(np.mean([r["latency_ms"] for r in mine])), 2)}
+    return summary, run_minutes, cpu_minutes
+
+
+def task_entry(rows: dict[str, dict[str, list]], demos: list[dict], cpu: dict[str, float]) -> dict:
+    """One task's figures: per arm success, held-out success, steps to success (successful episodes), CPU minutes
+    per run and the demonstrations' steps to success over the arm's (above 1: faster than its demonstrator); the
+    demonstrations' own; and the best RL arm's margin over the continued-SFT control."""
+    demo_steps = _mean([d["steps_to_success"] for d in demos if d.get("steps_to_success")])
+    out: dict = {"demos": {"success": _mean([d["success"] for d in demos if "success" in d]), "steps_to_success": demo_steps}}
+    for arm, r in rows.items():
+        steps = _mean([s for s in r["steps"] if s is not None])
+        out[arm] = {"success": _mean(r["success"]), "heldout_success": _mean(r["heldout"]), "steps_to_success": steps,
+                    "cpu_minutes": cpu.get(arm),
+                    "demos_steps_ratio": round(demo_steps / steps, 3) if demo_steps and steps else None}  # fmt: skip
+    rl_arms = [a for a in rows if a not in NOT_RL and out[a]["success"] is not None]
+    if "sft_continued" in rows and rl_arms:
+        best = max(rl_arms, key=lambda a: out[a]["success"])
+        out["best_rl_margin_over_control"] = round(out[best]["success"] - out["sft_continued"]["success"], 4)
+        out["best_rl_arm"] = best
+    return out
 
 
 def _add(row: dict[str, list], record: dict, sft: dict) -> None:

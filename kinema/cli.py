@@ -24,6 +24,9 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
     collect.add_argument("--expert-noise", type=float, default=0.0, help="std of Gaussian action noise (0 = clean)")
     collect.add_argument("--hesitation", type=float, default=0.0, help="per-step probability of a pause")
     collect.add_argument("--wrong-grasp", type=float, default=0.0, help="per-episode probability of a mis-aimed grasp")
+    collect.add_argument("--demo-source", choices=("scripted", "teleop"), default="scripted",
+                         help="who demonstrates: the scripted expert, or a simulated teleoperator (slower, pauses, "
+                         "hesitates, detours; as demos.source of kinema train)")
     collect.add_argument(
         "--interventions",
         action="store_true",
@@ -51,6 +54,8 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
     render.add_argument("--episodes", type=int, default=1, help="episodes, one after another")
     render.add_argument("--seed", type=int, default=0, help="seed of the first episode, then +1 per episode")
     render.add_argument("--expert-noise", type=float, default=0.0, help="std of Gaussian action noise (0 = clean)")
+    render.add_argument("--demo-source", choices=("scripted", "teleop"), default="scripted",
+                        help="who demonstrates: the scripted expert, or a simulated teleoperator")
     render.add_argument("--interventions", action="store_true", help="show simulated-human takeovers (red border)")
     render.add_argument("--cameras", action="store_true", help="add the policy's agentview and wrist cameras")
     render.add_argument("--policy", default=None, metavar="CKPT|zero|random",

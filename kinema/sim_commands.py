@@ -73,7 +73,8 @@ def _task_config(text: str) -> dict[str, Any] | None:
 
 def _expert_config(args: argparse.Namespace) -> ExpertConfig:
     return ExpertConfig(
-        noise=args.expert_noise, hesitation=getattr(args, "hesitation", 0.0), wrong_grasp=getattr(args, "wrong_grasp", 0.0)
+        noise=args.expert_noise, hesitation=getattr(args, "hesitation", 0.0), wrong_grasp=getattr(args, "wrong_grasp", 0.0),
+        operator=getattr(args, "demo_source", "scripted"),
     )
 
 
@@ -120,11 +121,13 @@ def collect(args: argparse.Namespace) -> int:
         vector_kwargs, version = {}, f"policy:{args.policy}"
         runner = acting_policy(args.policy, seed=args.seed or 0)
     elif args.interventions:
-        vector_kwargs = dict(actor="monitored", monitor=MonitorConfig(), autopilot=_autopilot(expert))
+        # The human who takes over demonstrates as --demo-source says.
+        monitor = MonitorConfig(expert=ExpertConfig(operator=expert.operator))
+        vector_kwargs = dict(actor="monitored", monitor=monitor, autopilot=_autopilot(expert))
         version = "autopilot"
     else:
         vector_kwargs = dict(actor="expert", expert=expert)
-        version = "expert"
+        version = "expert" if expert.operator == "scripted" else "teleop"
     num_envs = max(1, min(args.num_envs, args.episodes))
     console = Console(stderr=True)
     first_seed = args.seed if args.seed is not None else _next_seed(args.out, overwrite=args.overwrite)
@@ -197,11 +200,12 @@ def render(args: argparse.Namespace) -> int:
         raise ValueError("--interventions needs the scripted autopilot; it cannot be combined with --policy")
     runner = acting_policy(args.policy, seed=args.seed) if args.policy is not None else None
     env = make(args.task, _task_config(args.task_config), image_size=120, cameras=CAMERAS if args.cameras else ())
-    expert = ExpertConfig(noise=args.expert_noise)
+    expert = _expert_config(args)
     if runner is not None:
         wrapped = env
     else:
-        wrapped = SimulatedHuman(env, MonitorConfig(), autopilot=_autopilot(expert)) if args.interventions else DemoWrapper(env, expert)
+        monitor = MonitorConfig(expert=ExpertConfig(operator=expert.operator))
+        wrapped = SimulatedHuman(env, monitor, autopilot=_autopilot(expert)) if args.interventions else DemoWrapper(env, expert)
     frames: list[np.ndarray] = []
     console = Console(stderr=True)
     with progress_bar(console) as bar:

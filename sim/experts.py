@@ -8,11 +8,14 @@ Competence knobs, for mixed-quality demonstrations:
 - `noise`: Gaussian noise (std, in action units) added to every translation/rotation command;
 - `hesitation`: per-step probability of starting a pause of a few idle steps;
 - `wrong_grasp`: per-episode probability that the first grasp is aimed a few cm off the object.
+
+`operator="teleop"` plays the plan the way a person at a teleoperation rig does (`TeleopConfig`): slower, with
+pauses, hesitant back-offs and detours on the way; every decision stays the expert's, so it still succeeds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mujoco
 import numpy as np
@@ -24,10 +27,42 @@ OPEN, CLOSED = -1.0, 1.0
 
 
 @dataclass
+class TeleopConfig:
+    """A simulated teleoperator's habits, over the expert's plan. Only the free hand (nothing held) is slowed,
+    paused, turned back or sent round: with an object in hand the expert's own careful speed is kept."""
+
+    speed: tuple[float, float] = (0.35, 0.55)  # per-episode speed of free-hand moves, a fraction of the expert's
+    fine_speed: float = 0.6  # further factor within `fine_radius` of the sub-goal: careful final approach
+    fine_radius: float = 0.06
+    pause: float = 0.02  # per-step probability of stopping to look (free hand)
+    pause_steps: tuple[int, int] = (4, 12)
+    hesitation: float = 0.03  # per-step probability of a brief back-off on the way to a sub-goal
+    detour: float = 0.7  # probability that a long move to a new sub-goal goes round a side waypoint
+    detour_offset: tuple[float, float] = (0.04, 0.08)  # sideways, metres
+    jitter: float = 0.15  # std of slowly varying (Ornstein-Uhlenbeck) noise on free-hand translation commands
+
+    def __post_init__(self) -> None:
+        for name in ("speed", "pause_steps", "detour_offset"):
+            lo, hi = getattr(self, name)
+            if not 0 <= lo <= hi:
+                raise ValueError(f"TeleopConfig.{name} must be a range (low, high) with 0 <= low <= high; got {(lo, hi)}")
+        if not 0 < self.speed[0] <= self.speed[1] <= 1 or not 0 < self.fine_speed <= 1:
+            raise ValueError("TeleopConfig.speed and fine_speed are fractions of the expert's speed, in (0, 1]")
+        for name in ("pause", "hesitation", "detour"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"TeleopConfig.{name} is a probability in [0, 1]; got {getattr(self, name)}")
+
+
+OPERATORS = ("scripted", "teleop")
+
+
+@dataclass
 class ExpertConfig:
     noise: float = 0.0  # std of Gaussian action noise
     hesitation: float = 0.0  # per-step probability of a pause
     wrong_grasp: float = 0.0  # per-episode probability of a mis-aimed first grasp
+    operator: str = "scripted"  # scripted | teleop: the plan played as a teleoperator would (`teleop`)
+    teleop: TeleopConfig = field(default_factory=TeleopConfig)
 
     def __post_init__(self) -> None:
         for name in ("noise", "hesitation", "wrong_grasp"):
@@ -36,6 +71,8 @@ class ExpertConfig:
                 raise ValueError(f"ExpertConfig.{name} must be a finite number >= 0; got {value}")
         if self.hesitation > 1 or self.wrong_grasp > 1:
             raise ValueError("ExpertConfig.hesitation and wrong_grasp are probabilities in [0, 1]")
+        if self.operator not in OPERATORS:
+            raise ValueError(f"ExpertConfig.operator must be one of {', '.join(OPERATORS)}; got {self.operator!r}")
 
 
 def desired_rotation(yaw: float) -> np.ndarray:
@@ -74,6 +111,12 @@ class ScriptedExpert:
         if self.rng.random() < self.config.wrong_grasp:
             angle = self.rng.uniform(0, 2 * np.pi)
             self.mis_aim = 0.035 * np.array([np.cos(angle), np.sin(angle)])
+        # Drawn after the expert's own draws, so that a scripted expert's episodes are what they always were.
+        self.operator = Teleoperator(self.config.teleop, self.rng) if self.config.operator == "teleop" else None
+
+    # Set by `plan()`: the move it returned is a transit through free space (no contact, no fine alignment), where a
+    # teleoperator's detours, back-offs and jitter cannot spoil the task.
+    transit = False
 
     def plan(self) -> tuple[np.ndarray, float, float]:
         raise NotImplementedError
@@ -84,8 +127,12 @@ class ScriptedExpert:
     carry_speed = 0.6  # max |action| while holding an object
 
     def __call__(self, obs: dict | None = None) -> np.ndarray:
+        self.transit = False
         target, yaw, gripper = self.plan()
-        action = self.move(target, yaw, gripper, speed=self.carry_speed if self.holding() else 1.0)
+        if self.operator is not None and not self.holding():
+            action = self.operator.act(self, target, yaw, gripper)
+        else:
+            action = self.move(target, yaw, gripper, speed=self.carry_speed if self.holding() else 1.0)
         if self.pause > 0:
             self.pause -= 1
             action[:6] = 0.0
@@ -137,6 +184,7 @@ class PickPlaceExpert(ScriptedExpert):
         if self.released:
             on_goal = np.linalg.norm(obj[:2] - goal[:2]) < 0.03 and abs(obj[2] - place_z) < 0.015
             if on_goal:
+                self.transit = True
                 return np.array([ee[0], ee[1], max(ee[2], place_z) + 0.06]), env.ee_yaw(), OPEN
             self.released = False
 
@@ -171,6 +219,7 @@ class PickPlaceExpert(ScriptedExpert):
         yaw_err = min(yaw_err, period - yaw_err)
         hover_z = obj[2] + 0.09
         if xy_err > 0.008 or yaw_err > 0.1:
+            self.transit = xy_err > 0.03
             if ee[2] < obj[2] + 0.05 and xy_err > 0.03:
                 return np.array([ee[0], ee[1], hover_z]), yaw, OPEN
             return np.array([aim[0], aim[1], max(hover_z if xy_err > 0.03 else ee[2], grasp_z)]), yaw, OPEN
@@ -208,6 +257,7 @@ class PushExpert(ScriptedExpert):
             return np.array([through[0], through[1], push_z]), yaw, CLOSED
         if np.linalg.norm(ee[:2] - behind) < 0.012:
             return np.array([behind[0], behind[1], push_z]), yaw, CLOSED
+        self.transit = True
         if ee[2] < 0.07 and np.linalg.norm(ee[:2] - behind) > 0.02:
             return np.array([ee[0], ee[1], 0.1]), yaw, CLOSED
         return np.array([behind[0], behind[1], 0.1]), yaw, CLOSED
@@ -246,9 +296,73 @@ class DrawerExpert(ScriptedExpert):
             return grasp, yaw, 0.0
         if np.linalg.norm(ee - front) < 0.015:
             return grasp, yaw, 0.0
+        self.transit = True
         if ee[0] > front[0] + 0.03:  # too close to the cabinet: back away first
             return np.array([front[0], ee[1], max(ee[2], 0.05)]), yaw, 0.0
         return front, yaw, 0.0
+
+
+class Teleoperator:
+    """How a person plays an expert's free-hand moves (`TeleopConfig`): one per episode, drawing from the expert's
+    generator, so an episode is the same for the same seed."""
+
+    def __init__(self, config: TeleopConfig, rng: np.random.Generator) -> None:
+        self.config, self.rng = config, rng
+        self.speed = float(rng.uniform(*config.speed))
+        self.subgoal: np.ndarray | None = None
+        self.waypoint: np.ndarray | None = None
+        self.stopped = 0  # steps left of a pause
+        self.backing = 0  # steps left of a back-off
+        self.drift = np.zeros(3)
+
+    def act(self, expert: ScriptedExpert, target: np.ndarray, yaw: float, gripper: float) -> np.ndarray:
+        cfg, rng = self.config, self.rng
+        ee = expert.env.ee_pos()
+        target = np.asarray(target, float)
+        if not expert.transit:  # contact or fine alignment: only slower, and the odd pause
+            self.subgoal = self.waypoint = None
+            self.backing = 0
+            if self.stopped == 0 and rng.random() < cfg.pause:
+                self.stopped = int(rng.integers(cfg.pause_steps[0], cfg.pause_steps[1] + 1))
+            action = expert.move(target, yaw, gripper, speed=cfg.fine_speed)
+            if self.stopped:
+                self.stopped -= 1
+                action[:6] = 0.0
+            return action
+        if self.subgoal is None or np.linalg.norm(target - self.subgoal) > 0.03:  # a new sub-goal of the plan
+            self.subgoal, self.waypoint = target.copy(), None
+            if np.linalg.norm(target - ee) > 0.1 and rng.random() < cfg.detour:
+                self.waypoint = self._side_waypoint(ee, target)
+        if self.waypoint is not None and np.linalg.norm(self.waypoint - ee) < 0.02:
+            self.waypoint = None
+        goal = self.waypoint if self.waypoint is not None else target
+        distance = np.linalg.norm(target - ee)
+        speed = self.speed * (cfg.fine_speed if distance < cfg.fine_radius else 1.0)
+        if self.stopped == 0 and self.backing == 0:
+            if rng.random() < cfg.pause:
+                self.stopped = int(rng.integers(cfg.pause_steps[0], cfg.pause_steps[1] + 1))
+            elif distance > 0.05 and rng.random() < cfg.hesitation:
+                self.backing = int(rng.integers(2, 6))
+        if self.backing:  # second thoughts: ease back a little from the sub-goal, then go on
+            self.backing -= 1
+            goal, speed = ee - 0.5 * (goal - ee), 0.3 * self.speed
+        action = expert.move(goal, yaw, gripper, speed=speed)
+        if self.stopped:
+            self.stopped -= 1
+            action[:6] = 0.0
+        elif cfg.jitter and distance > 0.03:
+            self.drift = 0.8 * self.drift + rng.normal(0.0, cfg.jitter * 0.6, 3)
+            action[:3] += self.drift
+        return action
+
+    def _side_waypoint(self, ee: np.ndarray, target: np.ndarray) -> np.ndarray:
+        """Off to one side of the straight line, never lower than either end (nothing is knocked on the way)."""
+        d = target[:2] - ee[:2]
+        side = np.array([-d[1], d[0]]) / max(np.linalg.norm(d), 1e-6) if np.linalg.norm(d) > 0.02 else np.array([0.0, 1.0])
+        mid = (ee + target) / 2
+        mid[:2] += side * self.rng.choice([-1.0, 1.0]) * self.rng.uniform(*self.config.detour_offset)
+        mid[2] = max(ee[2], target[2]) + self.rng.uniform(0.0, 0.04)
+        return mid
 
 
 EXPERTS: dict[str, type[ScriptedExpert]] = {

@@ -228,11 +228,13 @@ def collect_demos(
     on_episode: Callable[[Episode], None] | None = None,
     **env_kwargs: Any,
 ) -> list[Episode]:
-    """Scripted-expert demonstrations: every step is executed by the expert and labelled human."""
+    """Scripted-expert demonstrations (or a simulated teleoperator's, `expert.operator`): every step is executed by
+    the expert and labelled human."""
     seeds = list(range(num_episodes)) if seeds is None else list(seeds)
     num_envs = max(1, min(num_envs, len(seeds)))
     vector = make_vector(task, num_envs, num_workers=min(num_workers, num_envs), actor="expert", expert=expert, **env_kwargs)
     try:
-        return collect(vector, zero_policy, seeds, task_id=task, policy_version="expert", on_episode=on_episode)
+        version = "teleop" if expert is not None and expert.operator == "teleop" else "expert"
+        return collect(vector, zero_policy, seeds, task_id=task, policy_version=version, on_episode=on_episode)
     finally:
         vector.close()

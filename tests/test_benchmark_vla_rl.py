@@ -21,7 +21,7 @@ TINIER = ["--demos.episodes", "4", "--sft.steps", "6", "--rl.updates_per_round",
 
 def bench(out: Path, *args: str) -> dict:
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--out", str(out), *args, *TINIER],
+        [sys.executable, str(BENCH), "--quick", "--out", str(out), *TINIER, *args],  # args last: theirs win
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -72,8 +72,23 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert clash.returncode == 2 and "is also where an arm of this --out trains" in clash.stderr
+    per_task = third["per_task"]["drawer"]
+    assert per_task["awr"]["success"] == third["awr"]["success"] and per_task["awr"]["cpu_minutes"] > 0
+    assert per_task["best_rl_arm"] == "awr"
+    assert per_task["best_rl_margin_over_control"] == pytest.approx(third["awr"]["success"] - third["sft_continued"]["success"])
+    assert 0 < per_task["demos"]["success"] <= 1 and per_task["demos"]["steps_to_success"] > 0
     cpu_start = staged["_meta"]["cpu_minutes_per_run"]["drawer"]["sft"]
     assert cpu_start == pytest.approx(third["_meta"]["cpu_minutes_per_run"]["drawer"]["sft"] + third["_meta"]["cpu_minutes_per_run"]["drawer"]["sft_continued"], abs=0.02)
+
+    # Both demonstration regimes in one invocation: the scripted runs are reused, the teleoperator's train in folders
+    # of their own from demos of their own (a longer horizon: the teleoperator is slower), reported under regimes.
+    both = bench(out, "--methods", "sft_continued", "--demos", "scripted,teleop", "--task_config", '{"horizon": 90}')
+    assert both["_meta"]["demos"] == ["scripted", "teleop"] and both["_meta"]["runs_trained"] == 2
+    assert both["sft_continued"] == third["sft_continued"]
+    teleop = both["regimes"]["teleop"]
+    assert teleop["sft_continued"]["success"] is not None and teleop["_meta"]["cpu_minutes_per_run"]["drawer"]["sft"] > 0
+    assert "source: teleop" in (runs.parent / "drawer-teleop-s0" / "sft" / "config.yaml").read_text()
+    assert teleop["per_task"]["drawer"]["demos"]["steps_to_success"] > 1.4 * both["per_task"]["drawer"]["demos"]["steps_to_success"]
 
 
 def test_an_unknown_arm_is_refused_with_the_valid_ones(tmp_path: Path):
@@ -89,8 +104,20 @@ def test_a_start_that_is_not_a_finished_run_is_refused(tmp_path: Path):
     (tmp_path / "drawer-s0" / "sft_continued").mkdir(parents=True)
     done = subprocess.run(
         [sys.executable, str(BENCH), "--tasks", "drawer", "--seeds", "1", "--methods", "habc", "--out", str(tmp_path / "bench"),
-         "--start", str(tmp_path / "{task}-s{seed}" / "sft_continued")],
+         "--start", str(tmp_path / "{task}-s{seed}" / "sft_continued"), "--demos", "scripted"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2 and "drawer-s0/sft_continued is not a finished `kinema train` run" in done.stderr
+    assert not (tmp_path / "bench").exists()
+
+
+def test_demo_regimes_are_checked_before_any_run(tmp_path: Path):
+    def refused(*args: str) -> str:
+        done = subprocess.run([sys.executable, str(BENCH), "--tasks", "drawer", "--out", str(tmp_path / "bench"), *args],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2
+        return done.stderr
+
+    assert "--demos: 'scripted,human' is not a list of distinct regimes; valid: scripted, teleop" in refused("--demos", "scripted,human")
+    assert "with several --demos regimes the start must name {regime}" in refused("--start", str(tmp_path / "{task}-s{seed}"))
     assert not (tmp_path / "bench").exists()

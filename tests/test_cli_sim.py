@@ -43,6 +43,20 @@ def test_collect_writes_a_readable_dataset_and_preview(tmp_path: Path):
     assert len(frames) == sum(len(ep) for ep in episodes) and frames.shape[1:] == (48, 48, 3)
 
 
+def test_collect_teleoperator_quality_demos(tmp_path: Path):
+    """--demo-source teleop: the simulated teleoperator demonstrates, slower than the scripted expert on the same seeds."""
+    lengths = {}
+    for source in ("scripted", "teleop"):
+        out_dir = tmp_path / source
+        result = kinema("sim", "collect", "--task", "drawer", "--episodes", "3", "--out", str(out_dir), "--image-size", "32",
+                        "--demo-source", source)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        episodes = sorted(read_episodes(out_dir), key=lambda ep: ep.seed)
+        assert all(ep.policy_version == ("expert" if source == "scripted" else "teleop") for ep in episodes)
+        lengths[source] = [ep.steps_to_success or len(ep) for ep in episodes]
+    assert sum(lengths["teleop"]) > 1.4 * sum(lengths["scripted"]), lengths
+
+
 def test_collect_with_interventions_records_segments(tmp_path: Path):
     out_dir = tmp_path / "hil"
     result = kinema(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.experts import ExpertConfig, make_expert
+from sim.experts import ExpertConfig, TeleopConfig, make_expert
 from sim.tasks import TASKS, make
 from sim.tasks.objects import HELDOUT_COMBOS
 
@@ -82,6 +82,35 @@ def test_expert_competence_is_tunable():
     # Sloppier experts are slower (mis-aimed grasps are retried, pauses cost steps) or fail outright.
     mean_len = lambda rs: np.mean([n if ok else 200 for ok, n in rs])  # noqa: E731
     assert mean_len(sloppy) > mean_len(clean) + 10
+
+
+TELEOP_SEEDS = 20
+
+
+@pytest.mark.parametrize("task", ALL_TASKS)
+def test_teleop_operator_is_slower_than_the_expert_and_still_succeeds(task):
+    """Teleoperator-quality demonstrations (demos.source teleop): pauses, hesitation, slow approaches and detours
+    take clearly more steps than the scripted expert's on the same seeds, and still succeed in >= 90 %."""
+    env = make(task, cameras=())
+    clean = [run_expert(env, s) for s in range(TELEOP_SEEDS)]
+    teleop = [run_expert(env, s, ExpertConfig(operator="teleop")) for s in range(TELEOP_SEEDS)]
+    success = np.mean([ok for ok, _ in teleop])
+    assert success >= 0.9, f"{task}: the teleoperator succeeded in {success:.0%} of {TELEOP_SEEDS} seeds"
+    steps = lambda rs: np.mean([n for ok, n in rs if ok])  # noqa: E731
+    ratio = steps(teleop) / steps(clean)
+    assert ratio > 1.4, f"{task}: teleoperator steps to success only {ratio:.2f}x the expert's"
+    # Deterministic per seed, different across seeds.
+    assert run_expert(env, 3, ExpertConfig(operator="teleop")) == teleop[3]
+    assert len({n for _, n in teleop}) > TELEOP_SEEDS // 3
+
+
+def test_teleop_settings_are_checked():
+    with pytest.raises(ValueError, match="ExpertConfig.operator must be one of scripted, teleop; got 'human'"):
+        ExpertConfig(operator="human")
+    with pytest.raises(ValueError, match=r"TeleopConfig.speed must be a range \(low, high\)"):
+        TeleopConfig(speed=(0.6, 0.3))
+    with pytest.raises(ValueError, match="TeleopConfig.detour is a probability"):
+        TeleopConfig(detour=1.5)
 
 
 def test_unknown_task_lists_valid_ones():

@@ -74,7 +74,8 @@ def eval_command(args: argparse.Namespace) -> int:
             console.print(f"{split}: not applicable to {args.task}")
             continue
         results[split] = res.as_dict()
-        console.print(f"{split}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes")
+        steps = f", {res.steps_to_success:.1f} steps to success" if res.steps_to_success else ""
+        console.print(f"{split}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes{steps}")
     (out / "eval.json").write_text(
         json.dumps({"policy": args.policy, "task": args.task, "task_config": task_config, "seen_tasks": seen, "acting": acting,
                     "latency_ms": latency_ms, "results": results}, indent=2)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from kinema.train.actor import REPLAY_MIXING
 from kinema.train.methods import METHODS
+from sim.experts import OPERATORS
 
 
 @dataclass
@@ -24,6 +25,7 @@ class DemoConfig:
     noise: float = 0.05  # expert action noise: clean demos are what a flow head copies well
     hesitation: float = 0.0
     wrong_grasp: float = 0.0
+    source: str = "scripted"  # scripted (the expert) | teleop: a simulated teleoperator's slower, hesitant, detouring demos
 
 
 @dataclass
@@ -191,6 +193,8 @@ class TrainConfig:
                              f"{self.rollout.ray_workers}, {self.rollout.gpus_per_worker}, {self.ray.num_cpus}")
         if self.ray.object_store_mb < 75:  # Ray refuses a smaller store
             raise ValueError(f"ray.object_store_mb must be >= 75; got {self.ray.object_store_mb}")
+        if self.demos.source not in OPERATORS:
+            raise ValueError(f"demos.source {self.demos.source!r} is not known; valid: {', '.join(OPERATORS)}")
         if self.demos.episodes < 1 and not self.dataset:
             raise ValueError(f"demos.episodes must be >= 1 (or give a dataset); got {self.demos.episodes}")
         if not 0.0 <= self.policy.ema_decay < 1.0:

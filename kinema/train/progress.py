@@ -150,9 +150,12 @@ def round_line(r: int, rounds: int, record: dict[str, Any], results: dict[str, A
 def summary_table(records: list[dict[str, Any]]) -> Table:
     """Every evaluation of the run, and each round's rollouts, as a table at the end."""
     table = Table(title="kinema train: results", show_lines=False)
-    for column in ("stage", "rollout success", "takeovers / rollout", "evaluation (training templates)", "CPU-min"):
+    for column in ("stage", "rollout success", "takeovers / rollout", "evaluation (training templates)", "steps to success", "CPU-min"):
         table.add_column(column)
     rounds = {r["round"]: r for r in records if r.get("kind") == "round"}
+    demos = next((r for r in records if r.get("kind") == "demos"), None)
+    if demos and demos.get("steps_to_success"):  # the demonstrator's, to read the policy's against
+        table.add_row("demonstrations", "–", "–", f"{demos['success']:.0%} of collected", f"{demos['steps_to_success']:.1f}", "–")
     for rec in records:
         if rec.get("kind") != "eval":
             continue
@@ -163,5 +166,6 @@ def summary_table(records: list[dict[str, Any]]) -> Table:
         evaluation = (f"{rec['train/success']:.0%} ± {rec['train/success_se']:.0%} (n={rec['train/episodes']})"
                       if "train/success" in rec else "–")  # fmt: skip
         cpu = f"{rec['cpu_s'] / 60:.1f}" if rec.get("cpu_s") is not None else "–"
-        table.add_row(stage, rollout, takeovers, evaluation, cpu)
+        steps = f"{rec['train/steps_to_success']:.1f}" if rec.get("train/steps_to_success") else "–"
+        table.add_row(stage, rollout, takeovers, evaluation, steps, cpu)
     return table

@@ -239,6 +239,23 @@ def _fmt(r: dict[str, Any] | None, split: str) -> str:
     return f"{100 * r[f'{split}/success']:.0f} ± {100 * r[f'{split}/success_se']:.0f} % (n={r[f'{split}/episodes']})"
 
 
+def steps_to_success_lines(demos: dict[str, Any], sft: dict[str, Any] | None, final: dict[str, Any] | None) -> list[str]:
+    """Mean steps to success (successful episodes, training templates) of the demonstrations, SFT and the policy
+    after RL, and the demonstrator's over the policy's: above 1, the policy is faster than its demonstrator."""
+    steps = {label: r.get(key) for label, r, key in (
+        ("demonstrations", demos, "steps_to_success"), ("SFT", sft or {}, "train/steps_to_success"),
+        ("after RL", final or {}, "train/steps_to_success"))}  # fmt: skip
+    known = {label: v for label, v in steps.items() if v}
+    if not known:
+        return []
+    text = "Mean steps to success: " + "; ".join(f"{label} {v:.1f}" for label, v in known.items())
+    ratios = [f"{label} {steps['demonstrations'] / v:.2f}×" for label, v in known.items()
+              if label != "demonstrations" and steps.get("demonstrations")]  # fmt: skip
+    if ratios:
+        text += " (demonstrations' steps over the policy's: " + ", ".join(ratios) + ")"
+    return ["", text + "."]
+
+
 def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
     evals = [r for r in records if r.get("kind") == "eval"]
     sft = next((r for r in evals if r["stage"] == "sft"), None)
@@ -246,8 +263,9 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
     demos = next((r for r in records if r.get("kind") == "demos"), {})
     sft_record = next((r for r in records if r.get("kind") == "sft"), {})
     rounds = [r for r in records if r.get("kind") == "round"]
+    kind = "scripted" if cfg.demos.source == "scripted" else "simulated-teleoperator"
     source = (f"{demos.get('episodes', '?')} successful episodes of {cfg.dataset}" if cfg.dataset else
-              f"{demos.get('episodes', cfg.demos.episodes)} scripted (noise {cfg.demos.noise})")  # fmt: skip
+              f"{demos.get('episodes', cfg.demos.episodes)} {kind} (noise {cfg.demos.noise})")  # fmt: skip
     sft_text = f"SFT {sft_record.get('steps', cfg.sft.steps)} steps" + (f" from {cfg.init_policy}" if cfg.init_policy else "")
     if cfg.rl.method == "none":
         rl_text = "no RL (rl.method none: SFT only)"
@@ -273,8 +291,7 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
             lines.append(f"| {SPLIT_NAMES[split]} | {_fmt(sft, split)} | {_fmt(final, split)} | {gain} |")
     if missing := [SPLIT_NAMES[s] for s in SPLITS if s not in evaluated and evals and (s == "train" or cfg.eval.heldout)]:
         lines += ["", f"Not evaluated (not applicable to {cfg.task}): {', '.join(missing)}."]
-    if final and final.get("train/steps_to_success") and sft and sft.get("train/steps_to_success"):
-        lines += ["", f"Mean steps to success: SFT {sft['train/steps_to_success']:.1f} → {final['train/steps_to_success']:.1f}."]
+    lines += steps_to_success_lines(demos, sft, final)
     first = next((r for r in evals if r.get("train/seeds")), None)
     if first:
         lines += ["", f"Evaluation seeds: {first['train/seeds'][0]}–{first['train/seeds'][-1]} per split at SFT and "

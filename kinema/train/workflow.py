@@ -39,7 +39,7 @@ from kinema.train import distributed
 from kinema.train.actor import actor_updates, ema_update
 from kinema.train.buffer import StepBuffer
 from kinema.train.config import TrainConfig
-from kinema.train.evaluate import SPLIT_NAMES, SPLITS, ChunkPolicy, EvalResult, evaluate
+from kinema.train.evaluate import SPLIT_NAMES, SPLITS, ChunkPolicy, EvalResult, evaluate, summarize
 from kinema.train.methods import METHODS, Learner, RLMethod
 from kinema.train.progress import RunPace, RunProgress, planned_work, round_line, start_panel, summary_table
 from kinema.train.report import record_video_grid, write_before_after, write_curves, write_diagnostics, write_report
@@ -209,7 +209,10 @@ def _train(
     # 2. Demonstrations ------------------------------------------------------------------------------------------------
     demo_dir = run.root / "demos"
     demo_seeds = range(cfg.seed * 10_000, cfg.seed * 10_000 + cfg.demos.episodes)
-    demo_settings = {"demos": dataclasses.asdict(cfg.demos), "task_config": cfg.task_config, "image_size": cfg.policy.image_size}
+    demo_options = dataclasses.asdict(cfg.demos)
+    if demo_options["source"] == "scripted":  # as runs from before demos.source recorded their settings
+        del demo_options["source"]
+    demo_settings = {"demos": demo_options, "task_config": cfg.task_config, "image_size": cfg.policy.image_size}
     if cfg.dataset:
         if (Path(cfg.dataset) / "dataset" / "meta" / "info.json").exists():
             cfg.dataset = str(Path(cfg.dataset) / "dataset")  # a `kinema deploy --record` folder: its dataset part
@@ -233,7 +236,8 @@ def _train(
         with progress.phase("demonstrations (episodes)", cfg.demos.episodes, kind="demo"):
             demos = collect_demos(
                 cfg.task, cfg.demos.episodes, seeds=demo_seeds,
-                expert=ExpertConfig(noise=cfg.demos.noise, hesitation=cfg.demos.hesitation, wrong_grasp=cfg.demos.wrong_grasp),
+                expert=ExpertConfig(noise=cfg.demos.noise, hesitation=cfg.demos.hesitation, wrong_grasp=cfg.demos.wrong_grasp,
+                                operator=cfg.demos.source),
                 num_envs=cfg.num_envs, num_workers=cfg.workers, image_size=cfg.policy.image_size,
                 config=cfg.task_config or None, on_episode=lambda ep: progress.advance(),
             )  # fmt: skip
@@ -245,7 +249,10 @@ def _train(
     if not demos:
         raise ValueError("no successful demonstration to imitate (every demo episode failed)")
     demo_buffer = StepBuffer.from_episodes(demos, cameras, image_size=cfg.policy.image_size)
-    run.log({"kind": "demos", "episodes": len(demos), "steps": len(demo_buffer), "success": demo_success})
+    # The demonstrator's steps to success: what a policy that beats its demonstrator on efficiency is measured against.
+    demo_steps = summarize(demos, "demos").steps_to_success
+    run.log({"kind": "demos", "episodes": len(demos), "steps": len(demo_buffer), "success": demo_success,
+             "steps_to_success": demo_steps})  # fmt: skip
 
     # 3. Policy and SFT ------------------------------------------------------------------------------------------------
     aux_dim = demo_buffer.aux.shape[1] if (demo_buffer.aux is not None and cfg.sft.aux_weight > 0) else 0

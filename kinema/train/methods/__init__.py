@@ -6,13 +6,14 @@ from kinema.train.methods.base import Learner, RLMethod, Rollouts
 from kinema.train.methods.dsrl import DSRL
 from kinema.train.methods.flow_ppo import FlowPPO
 from kinema.train.methods.habc import HABC
+from kinema.train.methods.hg_dagger import HGDAgger
 from kinema.train.methods.nft import NFT
 from kinema.train.methods.none import SFTOnly
 from kinema.train.methods.pa_rl import PARL
 from kinema.train.methods.sft_continued import ContinuedSFT
 
 METHODS: dict[str, type[RLMethod]] = {
-    cls.name: cls for cls in (HABC, ContinuedSFT, AWR, FlowPPO, NFT, PARL, DSRL, SFTOnly)
+    cls.name: cls for cls in (HABC, ContinuedSFT, AWR, FlowPPO, NFT, PARL, DSRL, HGDAgger, SFTOnly)
 }
 
 __all__ = ["METHODS", "Learner", "RLMethod", "Rollouts"]

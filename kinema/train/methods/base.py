@@ -137,11 +137,16 @@ class RLMethod:
 
     def imitate(
         self, rollouts: Rollouts | None, weights: np.ndarray | None, record: dict[str, Any], progress: RunProgress, *,
-        loss_fn: ActorLoss | None = None, train_mode: bool = True,
+        loss_fn: ActorLoss | None = None, train_mode: bool = True, replay: StepBuffer | None = None,
+        mixing: str | None = None,
     ) -> None:  # fmt: skip
         """The actor update of the imitation-style methods: flow matching on demonstrations and replay steps drawn ∝
-        `weights` (one per replay step; None: demonstrations only), the acting average following every step."""
+        `weights` (one per replay step; None: demonstrations only), the acting average following every step.
+        `replay`: the steps `weights` index, when not the rollouts' replay window; `mixing`: instead of
+        rl.replay_mixing."""
         learner, rl = self.learner, self.cfg.rl
+        if replay is None and rollouts is not None:
+            replay = rollouts.buffer
         if weights is not None:
             record["weights/nonzero_share"] = float((weights > 0).mean())
 
@@ -152,8 +157,8 @@ class RLMethod:
         with progress.phase(f"round {record['round']}: actor (updates)", rl.updates_per_round, kind="update"):
             record.update(actor_updates(
                 learner.policy, learner.optimizer, steps=rl.updates_per_round, batch_size=rl.batch_size,
-                demos=learner.demos, replay=rollouts.buffer if rollouts is not None else None, replay_weights=weights,
-                demo_fraction=rl.demo_fraction, aux_weight=0.0, rng=learner.rng, mixing=rl.replay_mixing,
+                demos=learner.demos, replay=replay, replay_weights=weights,
+                demo_fraction=rl.demo_fraction, aux_weight=0.0, rng=learner.rng, mixing=mixing or rl.replay_mixing,
                 loss_fn=loss_fn, train_mode=train_mode, on_step=step,
             ))  # fmt: skip
 
