@@ -44,7 +44,11 @@ def actor_updates(
 
     `loss_fn` replaces the flow-matching loss (e.g. DiffusionNFT's); `train_mode` False runs the policy in eval mode
     (no augmentation or state dropout), for losses that compare it with a frozen copy on the very same inputs.
+
+    A policy that models the world (`experience_loss`, the video policy) also learns from every replay step whatever
+    its credit: each update adds its experience loss on `experience_fraction` x batch_size replay steps drawn uniformly.
     """
+    future = bool(getattr(policy, "reads_future", False))  # batches carry the chunk's end state and the outcome
     use_replay = replay is not None and replay_weights is not None and replay_weights.sum() > 0
     imitable = demos.imitable_index()
     if not len(imitable):
@@ -58,6 +62,9 @@ def actor_updates(
     else:
         replay_share = 1.0 - demo_fraction
     probs = replay_weights / replay_weights.sum() if use_replay else None
+    n_experience = 0
+    if replay is not None and len(replay) and hasattr(policy, "experience_loss") and policy.config.experience_fraction > 0:
+        n_experience = max(1, int(round(batch_size * policy.config.experience_fraction)))
     losses, n_replay_total = [], 0
     policy.train(train_mode)
     for _ in range(steps):
@@ -66,10 +73,10 @@ def actor_updates(
         else:
             n_replay = int(round(batch_size * replay_share))
         n_replay_total += n_replay
-        parts = [demos.batch(rng.choice(imitable, batch_size - n_replay), policy.config.chunk_size)] if n_replay < batch_size else []
+        parts = [demos.batch(rng.choice(imitable, batch_size - n_replay), policy.config.chunk_size, future=future)] if n_replay < batch_size else []
         replay_index = rng.choice(len(replay), n_replay, p=probs) if n_replay else np.zeros(0, dtype=np.int64)
         if n_replay:
-            parts.append(replay.batch(replay_index, policy.config.chunk_size))
+            parts.append(replay.batch(replay_index, policy.config.chunk_size, future=future))
         batch = concat_batches(parts)
         context, aux_features = policy.encode(batch)
         if loss_fn is None:
@@ -78,6 +85,9 @@ def actor_updates(
             loss = loss_fn(policy, batch, context, replay_index).mean()
         if aux_weight and "aux_target" in batch:
             loss = loss + aux_weight * policy.aux_loss(batch, aux_features).mean()
+        if n_experience:
+            seen = replay.batch(rng.choice(len(replay), n_experience), policy.config.chunk_size, future=future)
+            loss = loss + policy.experience_loss(seen).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)

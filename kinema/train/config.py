@@ -88,6 +88,10 @@ class PolicyOptions:
     state_dropout: float = 0.0  # probability of hiding the end-effector pose from the policy per training sample
     augment_shift: int = 4  # random-shift augmentation in training (pixels); 0 disables
     ema_decay: float = 0.995  # the acting/evaluated policy is an EMA of the trained weights (0: no average)
+    # --- type "video" only (ignored by the VLA; see policies/video_policy) ---
+    video_size: int = 32  # side of the frames the video model denoises
+    generator_path: str = ""  # a local diffusers-layout Wan folder (LoRA-tuned); empty: the tiny random Wan stack
+    planning_candidates: int = 1  # best-of-N chunks ranked by predicted value; 1: no planning
 
     def config_class(self) -> type:
         from policies import policy_classes
