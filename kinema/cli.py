@@ -85,6 +85,11 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--videos", type=int, default=2, help="rollout MP4s written per split")
     ev.add_argument("--task-config", default="", help='JSON overrides of the task\'s difficulty, e.g. \'{"num_distractors": 0}\'')
     ev.add_argument("--threads", type=int, default=1, help="torch threads (one is fastest on a shared CPU)")
+    ev.add_argument("--planning", type=int, default=None, metavar="N",
+                    help="video policy: also evaluate best-of-N planning (chunks ranked by predicted value) as its own "
+                    "column; 1 turns it off; default: the checkpoint's planning_candidates")
+    ev.add_argument("--video-predictions", action="store_true",
+                    help="video policy: write videos/predictions.mp4, its predicted future frames beside the observed ones")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@ learning on a fixed batch, the trainer's future batches, and `kinema train --pol
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,19 @@ def test_kinema_train_runs_the_video_policy_end_to_end(tmp_path: Path):
     sft = load_policy(run / "checkpoints" / "sft")
     diff = [k for k, v in final.state_dict().items() if not torch.equal(v, sft.state_dict()[k])]
     assert any(k.startswith("generator.transformer.") for k in diff)  # RL changed the transformer
+    # kinema eval: planning as its own column with its batch-1 latency, and the predicted futures as an MP4.
+    out = tmp_path / "eval"
+    result = subprocess.run(
+        [sys.executable, "-m", "kinema.cli", "eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer",
+         "--episodes", "2", "--splits", "train", "--workers", "0", "--videos", "0", "--planning", "2",
+         "--video-predictions", "--task-config", '{"horizon": 12}', "--out", str(out)], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "eval.json").read_text())
+    assert report["planning_candidates"] == 2 and report["planning_results"]["train"]["episodes"] == 2
+    assert set(report["latency_ms"]) == {"1", "2"} and report["latency_ms"]["2"] > report["latency_ms"]["1"]
+    assert "with planning (N=2)" in (out / "report.md").read_text()
+    from kinema.media import read_mp4
+
+    frames = read_mp4(out / "videos" / "predictions.mp4")
+    assert frames.shape[1:] == (2 * 32, 3 * 32, 3) and len(frames) == 3  # 12 steps, a chunk every 4: 3 chunks

@@ -22,7 +22,7 @@ def train_command(args: argparse.Namespace, overrides: list[str]) -> int:
 def eval_command(args: argparse.Namespace) -> int:
     import torch
 
-    from kinema.train.evaluate import SPLITS, evaluate
+    from kinema.train.evaluate import SPLITS, batch1_latency_ms, evaluate
     from policies import load_policy
     from sim.tasks import SplitNotApplicable, check_task
 
@@ -45,34 +45,63 @@ def eval_command(args: argparse.Namespace) -> int:
         raise SystemExit(f"--task-config must be a JSON object, e.g. '{{\"num_distractors\": 0}}'; got {args.task_config!r} ({err})") from None
     if task_config is not None and not isinstance(task_config, dict):
         raise SystemExit(f"--task-config must be a JSON object; got {args.task_config!r}")
+    if args.planning is not None and args.planning < 1:
+        raise ValueError(f"--planning must be >= 1 (1: no planning); got {args.planning}")
     policy = load_policy(args.policy)
+    plans = hasattr(policy.config, "planning_candidates")
+    if (args.planning is not None or args.video_predictions) and not plans:
+        raise ValueError(f"--planning and --video-predictions need a video policy (policy.type video); {args.policy} is a {type(policy).__name__}")
+    # Planning is its own column: the plain policy (N = 1) first, then best-of-N, on the same seeds (paired).
+    candidates = (args.planning or policy.config.planning_candidates) if plans else 1
+    variants = [("", 1)] + ([("planning", candidates)] if candidates > 1 else [])
     seen = policy.config.extra.get("tasks", [])
     if seen and args.task not in seen:
         console.print(f"[yellow]note: this checkpoint was trained on {seen}, not on {args.task!r}: evaluating anyway")
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for split in splits:
-        try:
-            res, _ = evaluate(
-                policy, args.task, episodes=args.episodes, split=split, num_workers=args.workers,
-                image_size=policy.config.image_size, task_config=task_config,
-            )  # fmt: skip
-        except SplitNotApplicable:
-            console.print(f"{split}: not applicable to {args.task}")
-            continue
-        results[split] = res.as_dict()
-        console.print(f"{split}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes")
-    (out / "eval.json").write_text(
-        json.dumps({"policy": args.policy, "task": args.task, "task_config": task_config, "seen_tasks": seen, "results": results}, indent=2)
-    )
+    results, planning, latency = {}, {}, {}
+    for name, n in variants:
+        if plans:
+            policy.config.planning_candidates = n
+        latency[str(n)] = batch1_latency_ms(policy, args.task, image_size=policy.config.image_size, task_config=task_config)
+        for split in splits:
+            try:
+                res, _ = evaluate(
+                    policy, args.task, episodes=args.episodes, split=split, num_workers=args.workers,
+                    image_size=policy.config.image_size, task_config=task_config,
+                )  # fmt: skip
+            except SplitNotApplicable:
+                console.print(f"{split}: not applicable to {args.task}")
+                continue
+            (planning if name else results)[split] = res.as_dict()
+            label = f" with planning (N={n})" if name else ""
+            console.print(f"{split}{label}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes")
+    summary = {"policy": args.policy, "task": args.task, "task_config": task_config, "seen_tasks": seen, "results": results,
+               "latency_ms": latency}  # batch-1 predict_action_chunk, by number of candidates
+    if planning:
+        summary.update(planning_candidates=candidates, planning_results=planning)
+    (out / "eval.json").write_text(json.dumps(summary, indent=2))
     lines = [f"# kinema eval: {args.policy} on {args.task}", ""]
     if seen and args.task not in seen:
         lines += [f"Note: the checkpoint was trained on {seen}; {args.task} is unseen.", ""]
-    lines += ["| split | success | steps to success |", "|---|---|---|"]
+    plan_col = f" with planning (N={candidates}) |" if planning else ""
+    lines += [f"| split | success | steps to success |{plan_col}", "|---|---|---|" + ("---|" if planning else "")]
     for split, r in results.items():
         steps = f"{r['steps_to_success']:.1f}" if r["steps_to_success"] else "–"
-        lines.append(f"| {split} | {100 * r['success']:.0f} ± {100 * r['success_se']:.0f}% (n={r['episodes']}) | {steps} |")
+        row = f"| {split} | {100 * r['success']:.0f} ± {100 * r['success_se']:.0f}% (n={r['episodes']}) | {steps} |"
+        if split in planning:
+            p = planning[split]
+            row += f" {100 * p['success']:.0f} ± {100 * p['success_se']:.0f}% (n={p['episodes']}) |"
+        lines.append(row)
+    lines += ["", "Batch-1 latency per chunk: " + ", ".join(
+        f"{ms:.0f} ms" + (f" with planning (N={n})" if n != "1" else "") for n, ms in latency.items())]  # fmt: skip
     (out / "report.md").write_text("\n".join(lines) + "\n")
+    if plans:
+        policy.config.planning_candidates = candidates
+    if args.video_predictions:
+        from kinema.train.report import record_video_predictions
+
+        shown = record_video_predictions(policy, args.task, task_config, policy.config.image_size, out / "videos" / "predictions.mp4")
+        console.print(f"predicted futures: {out / 'videos' / 'predictions.mp4'} ({shown['chunks']} chunks, columns: {', '.join(shown['columns'])})")
     if args.videos:
         from kinema.train.config import TrainConfig
         from kinema.train.report import record_video_grid

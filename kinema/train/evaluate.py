@@ -178,3 +178,28 @@ def evaluate(
     finally:
         vector.close()
     return summarize(eps, split), eps
+
+
+def batch1_latency_ms(policy: Any, task: str, *, image_size: int, task_config: dict | None = None, repeats: int = 5) -> float:
+    """Median wall time of one `predict_action_chunk` on one real observation (after a warm-up call), in ms."""
+    import time
+
+    from sim.tasks import make
+
+    env = make(task, task_config, image_size=image_size)
+    try:
+        obs, _ = env.reset(seed=EVAL_SEED_OFFSET)
+    finally:
+        env.close()
+    batch = {k: (torch.from_numpy(np.ascontiguousarray(v[None])) if isinstance(v, np.ndarray) else [v]) for k, v in obs.items()}
+    was_training = policy.training
+    policy.eval()
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            policy.predict_action_chunk(batch)
+            if i:
+                times.append(1000.0 * (time.perf_counter() - start))
+    policy.train(was_training)
+    return float(np.median(times))
