@@ -207,3 +207,28 @@ def test_kinema_train_runs_the_video_policy_end_to_end(tmp_path: Path):
 
     frames = read_mp4(out / "videos" / "predictions.mp4")
     assert frames.shape[1:] == (2 * 32, 3 * 32, 3) and len(frames) == 3  # 12 steps, a chunk every 4: 3 chunks
+
+
+def test_a_local_generator_folder_trains_lora_and_checkpoints_reference_it(tmp_path: Path):
+    """The GPU path on a tiny stand-in: a diffusers-layout Wan folder with a real VAE, LoRA on its transformer,
+    checkpoints holding only the LoRA and buffers (the base is referenced by path, as a full-size Wan would be)."""
+    from policies.video.generator import VideoGenerator
+
+    VideoGenerator.from_preset("tiny-vae", seed=3).save_pretrained(tmp_path / "wan")
+    policy = make_policy("video", VideoPolicyConfig(generator_path=str(tmp_path / "wan"), video_size=32, lora_rank=4))
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert policy.config.hidden_dim == policy.features(batch(2)).shape[1]
+    b = batch(2)
+    loss = policy.flow_loss(b).mean()
+    loss.backward()
+    torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0).step()
+    policy.eval()
+    noise = torch.randn(2, 8, 7)
+    before = policy.predict_action_chunk(b, noise=noise)
+    policy.save_pretrained(str(tmp_path / "ckpt"))
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert all("lora_" in k or not k.startswith("generator.") for k in saved)
+    assert torch.equal(load_policy(tmp_path / "ckpt").eval().predict_action_chunk(b, noise=noise), before)
