@@ -232,3 +232,12 @@ def test_a_local_generator_folder_trains_lora_and_checkpoints_reference_it(tmp_p
     saved = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert all("lora_" in k or not k.startswith("generator.") for k in saved)
     assert torch.equal(load_policy(tmp_path / "ckpt").eval().predict_action_chunk(b, noise=noise), before)
+
+
+def test_methods_that_cannot_train_the_video_policy_are_refused_with_the_valid_ones():
+    from kinema.common import load_config
+    from kinema.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="does not train a 'video' policy; valid for it: none, sft_continued, habc, awr"):
+        load_config(None, ["--policy.type", "video", "--rl.method", "flow_ppo"], config_class=TrainConfig)
+    assert load_config(None, ["--policy.type", "video", "--rl.method", "awr"], config_class=TrainConfig).policy.type == "video"

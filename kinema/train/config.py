@@ -148,6 +148,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.rl.method not in METHODS:
             raise ValueError(f"rl.method {self.rl.method!r} is not known; valid: {', '.join(METHODS)}")
+        # A policy type may train with some methods only (the video policy has no separate action expert for PPO/NFT).
+        supported = getattr(self.policy.config_class(), "SUPPORTED_METHODS", None)
+        if supported is not None and self.rl.method not in supported:
+            raise ValueError(f"rl.method {self.rl.method!r} does not train a {self.policy.type!r} policy; valid for it: {', '.join(supported)}")
         METHODS[self.rl.method].check_config(self)
         if self.rl.replay_mixing not in REPLAY_MIXING:
             raise ValueError(f"rl.replay_mixing {self.rl.replay_mixing!r} is not known; valid: {', '.join(REPLAY_MIXING)}")
