@@ -65,8 +65,8 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
 
     train = sub.add_parser(
         "train",
-        help="demos -> SFT -> online RL of the VLA in simulation, with evaluation and a report",
-        description="Train the VLA: scripted demonstrations, SFT, then RL rounds (HABC by default). "
+        help="demos -> SFT -> online RL of a policy (the VLA, or --policy.type video) in simulation, with evaluation and a report",
+        description="Train a policy (the VLA by default; --policy.type video for the video-diffusion policy): scripted demonstrations, SFT, then RL rounds (HABC by default). "
         "Any config key can be overridden as --key.sub value (e.g. --rl.rounds 3 --task stack).",
         epilog="RL methods (--rl.method):\n" + "".join(f"  {name}: {cls.summary}\n" for name, cls in METHODS.items())
         + "\n" + config_keys_help(TrainConfig),

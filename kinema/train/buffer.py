@@ -1,4 +1,5 @@
-"""Episodes in memory as training samples: (observation at t, action chunk t..t+H-1, labels) for the VLA.
+"""Episodes in memory as training samples: (observation at t, action chunk t..t+H-1, labels) for the policies
+(and, for those that predict futures, where the chunk ends and how the episode ended).
 
 Images stay uint8 and are converted per minibatch. Each step keeps which episode it came from, so per-step
 weights from the credit machinery (HABC, AWR) line up with samples by a flat step index.
