@@ -48,6 +48,11 @@ inflated by runs sharing the CPU), with `sft_then_habc`: the compute HABC needs 
     python benchmarks/vla_rl.py --tasks push --methods habc,sft_continued --out runs/staged \
         --start 'runs/bench/{task}-s{seed}/sft_continued'     # branch from the control's end: SFT to its plateau, then RL
 
+With `--policies vla,video` the video-diffusion policy (policies/video_policy) joins on the same demonstrations and
+env steps, in four forms: its SFT, its SFT with best-of-N planning, RL (`--video-method`, HABC by default) and RL
+with planning, beside its own continued-SFT control; the JSON gains `video`, `video_planning` and `latency_ms`
+(batch-1 chunk latency of the VLA, the video policy and the video policy with planning).
+
 Runs are folders under --out; a finished run is reused and an interrupted one resumed, so a killed benchmark
 continues where it stopped and more seeds or methods can be added later.
 """
@@ -297,7 +302,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs trained at once, as subprocesses (1: one after another in this process). SFTs first, "
                         "then every method; each run uses one torch thread plus its env workers, so about cores / 2")
+    parser.add_argument("--policies", default="vla", help="vla, or vla,video: also the video policy's four forms")
+    parser.add_argument("--video-method", default="habc", help="the video policy's RL arm (its control is sft_continued)")
+    parser.add_argument("--planning", type=int, default=4, help="candidate chunks of the video policy's planning forms")
     args, overrides = parser.parse_known_args()
+    if unknown := set(args.policies.split(",")) - {"vla", "video"}:
+        parser.error(f"--policies: unknown {sorted(unknown)}; valid: vla, video")
     tasks = ["drawer"] if args.quick else args.tasks.split(",")
     seeds = 1 if args.quick else args.seeds
     methods = (args.methods or ",".join(HEADLINE if args.quick else METHODS)).split(",")
@@ -345,6 +355,9 @@ def main() -> None:
                             "--eval.baseline", "false",
                         ]))  # fmt: skip
     run_jobs(sft_jobs, jobs_at_once=args.jobs, logs=out / "logs")
+    video = "video" in args.policies.split(",")
+    if video:  # the video policy's SFT on the VLA's demonstrations, then its arms beside the VLA's
+        arm_jobs += _video_jobs(out, regimes[0], tasks, seeds, starts, configs, base_overrides, args.video_method, args.start, args.jobs)
     run_jobs(arm_jobs, jobs_at_once=args.jobs, logs=out / "logs")
 
     # 2. The tables, from the runs' metrics: the first regime's at the top level, each other's under regimes.<name>.
@@ -360,6 +373,8 @@ def main() -> None:
         else:
             first_minutes, first_cpu = run_minutes, cpu_minutes
     summary = blocks[regimes[0]]
+    if video:  # on the first regime's demonstrations
+        summary.update(_video_summary(out, regimes[0], tasks, seeds, starts, args.video_method, args.planning, summary["per_task_success"]))
     if len(regimes) > 1:
         summary["regimes"] = {r: blocks[r] for r in regimes[1:]}
     # Wall minutes of this invocation (runs finished earlier and reused count zero), with the jobs it ran at once.
@@ -505,6 +520,103 @@ def task_entry(rows: dict[str, dict[str, list]], demos: list[dict], cpu: dict[st
         out["best_rl_margin_over_control"] = round(out[best]["success"] - out["sft_continued"]["success"], 4)
         out["best_rl_arm"] = best
     return out
+
+
+# ----- the video-diffusion policy (--policies vla,video) ----------------------------------------------------------------
+VIDEO_ARMS = ("video_sft", "video_rl", "video_sft_continued")
+
+
+def _video_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides, method, start, jobs_at_once) -> list[Job]:
+    """Its SFT (trained here, before the arms) on the VLA SFT's demonstrations (of `regime`), then its RL arm and its
+    control."""
+    if start:
+        raise SystemExit("--policies video branches from the benchmark's own SFT; drop --start")
+    video = ["--policy.type", "video"]
+    sfts = []
+    for task in tasks:
+        for seed in range(seeds):
+            run = _task_dir(out, regime, task, seed) / "video_sft"
+            if not _sft_done(run):
+                if run.exists():
+                    set_aside(run, "video_sft-interrupted")
+                sfts.append(Job(run, configs[task], [*overrides, *video, "--task", task, "--seed", str(seed), "--rl.method", "none",
+                                                     "--dataset", str(starts[regime, task, seed] / "demos")]))
+    run_jobs(sfts, jobs_at_once=jobs_at_once, logs=out / "logs")
+    arms = []
+    for task in tasks:
+        for seed in range(seeds):
+            base = _task_dir(out, regime, task, seed) / "video_sft"
+            for name, arm in (("video_rl", method), ("video_sft_continued", "sft_continued")):
+                run = _task_dir(out, regime, task, seed) / name
+                if not _final_done(run):
+                    if run.exists() and not (run / "state.json").exists():
+                        set_aside(run, f"{name}-interrupted")
+                    arms.append(Job(run, configs[task], [
+                        *overrides, *video, *METHODS[arm], "--task", task, "--seed", str(seed), "--init_policy",
+                        str(base / "checkpoints" / "sft"), "--dataset", str(starts[regime, task, seed] / "demos"), "--eval.baseline", "false",
+                    ]))  # fmt: skip
+    return arms
+
+
+def _planned_eval(run: Path, checkpoint: str, candidates: int) -> dict:
+    """The run's final-evaluation episodes again (same seeds: paired), acting with best-of-N planning."""
+    from kinema.train.evaluate import SelectChunkPolicy, evaluate
+    from policies import load_policy
+
+    cfg = _run_config(run)
+    policy = load_policy(run / "checkpoints" / checkpoint)
+    res, _ = evaluate(policy, cfg["task"], episodes=cfg["eval"]["episodes"], split="train", num_envs=cfg["num_envs"],
+                      num_workers=cfg["workers"], image_size=cfg["policy"]["image_size"], task_config=cfg.get("task_config") or None,
+                      seed=cfg["seed"] * 10_000, runner=SelectChunkPolicy(policy, None, num_samples=candidates))  # fmt: skip
+    return res.as_dict(prefix="train/")
+
+
+def _video_summary(out: Path, regime: str, tasks, seeds, starts, method, candidates, by_task) -> dict:
+    """video / video_planning / latency_ms entries, and per task the video forms next to the VLA's."""
+    from kinema.train.evaluate import ChunkPolicy, SelectChunkPolicy, batch1_latency_ms
+    from policies import load_policy
+
+    rows = {k: [] for k in ("sft", "rl", "control", "sft_planning", "rl_planning")}
+    for task in tasks:
+        for seed in range(seeds):
+            root = _task_dir(out, regime, task, seed)
+            forms = {
+                "sft": final_eval(root / "video_sft", "sft"),
+                "rl": final_eval(root / "video_rl", "final"),
+                "control": final_eval(root / "video_sft_continued", "final"),
+                "sft_planning": _planned_eval(root / "video_sft", "sft", candidates),
+                "rl_planning": _planned_eval(root / "video_rl", "final", candidates),
+            }
+            for k, rec in forms.items():
+                rows[k].append((rec["train/success"], rec["train/episodes"]))
+                by_task[task].setdefault(f"video_{k}", [])
+                by_task[task][f"video_{k}"].append(rec["train/success"])
+    for task in tasks:
+        for k in rows:
+            by_task[task][f"video_{k}"] = round(float(np.mean(by_task[task][f"video_{k}"])), 4)
+        if "sft" in by_task[task]:
+            by_task[task]["video_sft_planning_minus_vla_sft"] = round(by_task[task]["video_sft_planning"] - by_task[task]["sft"], 4)
+    mean = {k: _mean(v) for k, v in rows.items()}
+    root = _task_dir(out, regime, tasks[0], 0)
+    task_config = _run_config(root / "video_rl").get("task_config") or None
+    latency = {}
+    for name, run, n in (("vla", starts[regime, tasks[0], 0], 0), ("video", root / "video_sft", 1),
+                         ("video_planning", root / "video_sft", candidates)):
+        policy = load_policy(run / "checkpoints" / "sft")
+        runner = SelectChunkPolicy(policy, None, num_samples=n) if n else ChunkPolicy(policy)
+        latency[name] = round(batch1_latency_ms(runner, tasks[0], image_size=policy.config.image_size, task_config=task_config), 1)
+    print(f"video policy ({method}): SFT {_pct(mean['sft'], _pooled_se(rows['sft']))}, SFT+planning(N={candidates}) "
+          f"{_pct(mean['sft_planning'], _pooled_se(rows['sft_planning']))}, RL {_pct(mean['rl'], _pooled_se(rows['rl']))}, "
+          f"RL+planning {_pct(mean['rl_planning'], _pooled_se(rows['rl_planning']))}, control {_pct(mean['control'], _pooled_se(rows['control']))}; "
+          f"latency {latency}")
+    return {
+        "video": {"method": method, "success": mean["rl"], "success_se": _pooled_se(rows["rl"]), "sft_success": mean["sft"],
+                  "gain_over_sft": mean["rl"] - mean["sft"], "continued_sft_success": mean["control"],
+                  "gain_over_continued_sft": mean["rl"] - mean["control"]},
+        "video_planning": {"candidates": candidates, "success": mean["rl_planning"], "success_se": _pooled_se(rows["rl_planning"]),
+                           "sft_success": mean["sft_planning"], "sft_success_se": _pooled_se(rows["sft_planning"])},
+        "latency_ms": latency,
+    }
 
 
 def _add(row: dict[str, list], record: dict, sft: dict) -> None:

@@ -70,8 +70,8 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
 
     train = sub.add_parser(
         "train",
-        help="demos -> SFT -> online RL of the VLA in simulation, with evaluation and a report",
-        description="Train the VLA: scripted demonstrations, SFT, then RL rounds (HABC by default). "
+        help="demos -> SFT -> online RL of a policy (the VLA, or --policy.type video) in simulation, with evaluation and a report",
+        description="Train a policy (the VLA by default; --policy.type video for the video-diffusion policy): scripted demonstrations, SFT, then RL rounds (HABC by default). "
         "Any config key can be overridden as --key.sub value (e.g. --rl.rounds 3 --task stack).",
         epilog="RL methods (--rl.method):\n" + "".join(f"  {name}: {cls.summary}\n" for name, cls in METHODS.items())
         + "\n" + config_keys_help(TrainConfig),
@@ -90,9 +90,13 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--videos", type=int, default=2, help="rollout MP4s written per split")
     ev.add_argument("--task-config", default="", help='JSON overrides of the task\'s difficulty, e.g. \'{"num_distractors": 0}\'')
     ev.add_argument("--threads", type=int, default=1, help="torch threads (one is fastest on a shared CPU)")
-    ev.add_argument("--select", type=int, default=0, metavar="N",
-                    help="value-guided selection: N sampled chunks per decision, the one the chunk critic of a pa_rl "
-                    "checkpoint (its method.pt) values most is executed; the batch-1 latency is reported (0: off)")
+    ev.add_argument("--select", type=int, default=None, metavar="N",
+                    help="best-of-N by value, as its own column beside the policy alone, with its batch-1 latency: N "
+                    "sampled chunks per decision, the one valued most executed; valued by a pa_rl checkpoint's chunk critic "
+                    "(its method.pt) or by the policy's own prediction (policy.type video's planning); 1: off; default: "
+                    "a video policy's planning_candidates")
+    ev.add_argument("--video-predictions", action="store_true",
+                    help="video policy: write videos/predictions.mp4, its predicted future frames beside the observed ones")
 
 
 def build_parser() -> argparse.ArgumentParser:

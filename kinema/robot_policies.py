@@ -80,7 +80,7 @@ def expert_joint_targets(task: str, seed: int) -> tuple[np.ndarray, bool, str]:
 
 
 def load_policy(spec: str, *, control_hz: float = 20.0) -> Any:
-    """A policy from `--policy`: `scripted:<name>[:key=value...]`, or a VLA checkpoint folder."""
+    """A policy from `--policy`: `scripted:<name>[:key=value...]`, or a policy checkpoint folder (any registered type)."""
     if spec.startswith("scripted:"):
         name, *opts = spec[len("scripted:") :].split(":")
         options: dict[str, str] = {}

@@ -13,6 +13,7 @@ from typing import Any
 # type -> (module, config class, policy class); imported on first use, so `import policies` stays light.
 POLICY_TYPES: dict[str, tuple[str, str, str]] = {
     "vla": ("policies.vla", "VLAConfig", "VLAPolicy"),
+    "video": ("policies.video_policy", "VideoPolicyConfig", "VideoPolicy"),
 }
 
 

@@ -111,7 +111,10 @@ def test_pa_rl_trains_its_critic_reports_calibration_and_selection_and_kinema_ev
                   "--workers", "0", "--videos", "0", "--select", "3", "--task-config", '{"horizon": 100}', "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
-    assert "selection among 3" in report["acting"] and report["latency_ms"] > 0 and report["results"]["train"]["episodes"] == 1
+    # The policy alone and best-of-3 by the critic, each its own column on the same seeds, with batch-1 latencies.
+    assert report["select"] == 3 and "pa_rl checkpoint's chunk critic" in report["selection"]
+    assert report["results"]["train"]["episodes"] == report["selection_results"]["train"]["episodes"] == 1
+    assert set(report["latency_ms"]) == {"1", "3"} and report["latency_ms"]["3"] > 0
 
 
 @pytest.mark.slow
@@ -131,4 +134,4 @@ def test_dsrl_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_steers_with_i
     assert done.returncode == 0, done.stderr[-3000:]
     assert "DSRL noise actor" in json.loads((out / "eval.json").read_text())["acting"]
     refused = kinema(*args, "--select", "2")
-    assert refused.returncode != 0 and "--select needs the chunk critic of a pa_rl checkpoint" in refused.stderr
+    assert refused.returncode != 0 and "--select needs a value for the chunks" in refused.stderr

@@ -1,1 +1,1 @@
-"""`kinema train` and `kinema eval`: the VLA workflow in simulation."""
+"""`kinema train` and `kinema eval`: the policy workflow in simulation (VLA or video policy, `policy.type`)."""

@@ -48,7 +48,10 @@ def actor_updates(
 
     Under torchrun (kinema.train.distributed) `batch_size` is the global batch: each rank draws its share from its
     own disjoint shard of the demonstration and replay steps, and the ranks' gradients are averaged every step.
+    A policy that models the world (`experience_loss`, the video policy) also learns from every replay step whatever
+    its credit: each update adds its experience loss on `experience_fraction` x batch_size replay steps drawn uniformly.
     """
+    future = bool(getattr(policy, "reads_future", False))  # batches carry the chunk's end state and the outcome
     use_replay = replay is not None and replay_weights is not None and replay_weights.sum() > 0
     imitable = demos.imitable_index()
     if not len(imitable):
@@ -70,6 +73,10 @@ def actor_updates(
             shard_weights = replay_weights[replay_rows]
             probs = shard_weights / shard_weights.sum() if shard_weights.sum() > 0 else None  # else uniform
         batch_size = local_batch_size(batch_size, "the actor batch size")
+    n_experience = 0
+    if replay is not None and len(replay) and hasattr(policy, "experience_loss") and policy.config.experience_fraction > 0:
+        n_experience = max(1, int(round(batch_size * policy.config.experience_fraction)))
+        experience_rows = shard(np.arange(len(replay))) if world()[1] > 1 else len(replay)
     losses, n_replay_total = [], 0
     policy.train(train_mode)
     for _ in range(steps):
@@ -78,12 +85,16 @@ def actor_updates(
         else:
             n_replay = int(round(batch_size * replay_share))
         n_replay_total += n_replay
-        parts = [demos.batch(rng.choice(imitable, batch_size - n_replay), policy.config.chunk_size)] if n_replay < batch_size else []
+        parts = [demos.batch(rng.choice(imitable, batch_size - n_replay), policy.config.chunk_size, future=future)] if n_replay < batch_size else []
         replay_index = rng.choice(replay_rows, n_replay, p=probs) if n_replay else np.zeros(0, dtype=np.int64)
         if n_replay:
-            parts.append(replay.batch(replay_index, policy.config.chunk_size))
+            parts.append(replay.batch(replay_index, policy.config.chunk_size, future=future))
         batch = concat_batches(parts)
-        losses.append(actor_step(policy, optimizer, batch, loss_fn=loss_fn, replay_index=replay_index, aux_weight=aux_weight))
+        experience = None
+        if n_experience:  # uniform over this rank's replay steps, whatever their credit
+            experience = replay.batch(rng.choice(experience_rows, n_experience), policy.config.chunk_size, future=future)
+        losses.append(actor_step(policy, optimizer, batch, loss_fn=loss_fn, replay_index=replay_index, aux_weight=aux_weight,
+                                 experience=experience))  # fmt: skip
         if on_step is not None:
             on_step()
     return {
@@ -94,10 +105,11 @@ def actor_updates(
 
 def actor_step(
     policy: Any, optimizer: torch.optim.Optimizer, batch: dict, *, loss_fn: ActorLoss | None = None,
-    replay_index: np.ndarray | None = None, aux_weight: float = 0.0,
+    replay_index: np.ndarray | None = None, aux_weight: float = 0.0, experience: dict | None = None,
 ) -> float:  # fmt: skip
-    """One gradient step on `batch` (mean per-sample loss); under torchrun the ranks' gradients are averaged before
-    clipping, so N ranks take the step one process takes on their batches concatenated. Returns this rank's loss."""
+    """One gradient step on `batch` (mean per-sample loss), plus the policy's experience loss on `experience` (replay
+    steps of a policy that models the world); under torchrun the ranks' gradients are averaged before clipping, so
+    N ranks take the step one process takes on their batches concatenated. Returns this rank's loss."""
     context, aux_features = policy.encode(batch)
     if loss_fn is None:
         loss = policy.flow_loss(batch, context=context).mean()
@@ -106,6 +118,8 @@ def actor_step(
         loss = loss_fn(policy, batch, context, replay_index).mean()
     if aux_weight and "aux_target" in batch:
         loss = loss + aux_weight * policy.aux_loss(batch, aux_features).mean()
+    if experience is not None:
+        loss = loss + policy.experience_loss(experience).mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     sync_gradients(optimizer)

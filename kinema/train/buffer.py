@@ -1,4 +1,5 @@
-"""Episodes in memory as training samples: (observation at t, action chunk t..t+H-1, labels) for the VLA.
+"""Episodes in memory as training samples: (observation at t, action chunk t..t+H-1, labels) for the policies
+(and, for those that predict futures, where the chunk ends and how the episode ended).
 
 Images stay uint8 and are converted per minibatch. Each step keeps which episode it came from, so per-step
 weights from the credit machinery (HABC, AWR) line up with samples by a flat step index.
@@ -41,6 +42,7 @@ class StepBuffer:
     # Steps worth imitating (HELP): idle and failure-inducing steps, e.g. the policy's steps just before a human
     # took over in a recorded deployment, are excluded, never made negatives.
     imitable: np.ndarray | None = None
+    outcome: np.ndarray | None = None  # per step: its episode's outcome (1 success, 0 failure)
 
     def imitable_index(self) -> np.ndarray:
         return np.arange(len(self)) if self.imitable is None else np.flatnonzero(self.imitable)
@@ -79,14 +81,19 @@ class StepBuffer:
             step_in_episode=np.concatenate([np.arange(n) for n in lengths]),
             episode_start=starts,
             episode_length=lengths,
+            outcome=np.repeat(np.array([float(ep.outcome) for ep in episodes], np.float32), lengths),
             imitable=segment_imitation_weights(torch.from_numpy(np.concatenate([ep.segment for ep in episodes]))).numpy() > 0,
         )
 
     def __len__(self) -> int:
         return len(self.state)
 
-    def batch(self, index: np.ndarray, chunk_size: int, device: torch.device | str = "cpu") -> dict:
-        """The samples at flat step indices `index`: observation at t and the chunk a[t : t + chunk_size]."""
+    def batch(self, index: np.ndarray, chunk_size: int, device: torch.device | str = "cpu", *, future: bool = False) -> dict:
+        """The samples at flat step indices `index`: observation at t and the chunk a[t : t + chunk_size].
+
+        future: also the observation where the chunk ends, t + chunk_size clamped to the episode's last step
+        (future.images.<camera>, future.state), the episode's outcome and the steps from there to the episode's end
+        (steps_to_end): what a policy that predicts futures and values trains on (`reads_future`)."""
         ep = self.episode_of_step[index]
         t = self.step_in_episode[index]
         offsets = np.arange(chunk_size)
@@ -103,6 +110,15 @@ class StepBuffer:
         out["action_is_pad"] = torch.from_numpy(is_pad).to(device)
         if self.aux is not None:
             out["aux_target"] = torch.from_numpy(self.aux[index]).to(device)
+        if future:
+            end = np.minimum(t + chunk_size, last[:, 0])
+            at = self.episode_start[ep] + end
+            for cam, images in self.images.items():
+                out[f"future.images.{cam}"] = torch.from_numpy(images[at]).to(device)
+            out["future.state"] = torch.from_numpy(self.state[at]).to(device)
+            out["steps_to_end"] = torch.from_numpy((last[:, 0] - end).astype(np.float32)).to(device)
+            outcome = self.outcome[index] if self.outcome is not None else np.ones(len(index), np.float32)
+            out["outcome"] = torch.from_numpy(outcome).to(device)
         return out
 
     def stats(self) -> dict[str, dict[str, np.ndarray]]:

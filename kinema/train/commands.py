@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -22,7 +25,7 @@ def train_command(args: argparse.Namespace, overrides: list[str]) -> int:
 def eval_command(args: argparse.Namespace) -> int:
     import torch
 
-    from kinema.train.evaluate import SPLITS, evaluate
+    from kinema.train.evaluate import SPLITS, batch1_latency_ms, evaluate
     from policies import load_policy
     from sim.tasks import SplitNotApplicable, check_task
 
@@ -31,12 +34,10 @@ def eval_command(args: argparse.Namespace) -> int:
     splits = [split.strip() for split in args.splits.split(",")]
     if bad := [split for split in splits if split not in SPLITS]:
         raise ValueError(f"--splits: unknown split(s) {bad}; valid: {', '.join(SPLITS)} (comma-separated)")
-    if args.episodes < 1 or args.workers < 0 or args.videos < 0 or args.select < 0:
-        raise ValueError(f"--episodes must be >= 1, --workers, --videos and --select >= 0; got {args.episodes}, {args.workers}, {args.videos}, {args.select}")
-    saved = _saved_method(Path(args.policy))
-    if args.select and (saved is None or saved["name"] != "pa_rl"):
-        raise ValueError(f"--select needs the chunk critic of a pa_rl checkpoint ({Path(args.policy) / 'method.pt'}); "
-                         f"{args.policy} has {'no method.pt' if saved is None else 'one of method ' + repr(saved['name'])}")
+    if args.episodes < 1 or args.workers < 0 or args.videos < 0:
+        raise ValueError(f"--episodes must be >= 1, --workers and --videos >= 0; got {args.episodes}, {args.workers}, {args.videos}")
+    if args.select is not None and args.select < 1:
+        raise ValueError(f"--select must be >= 1 (1: no selection); got {args.select}")
     out = Path(args.out or Path(args.policy) / f"eval-{args.task}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; the report needs a folder")
@@ -49,45 +50,64 @@ def eval_command(args: argparse.Namespace) -> int:
         raise SystemExit(f"--task-config must be a JSON object, e.g. '{{\"num_distractors\": 0}}'; got {args.task_config!r} ({err})") from None
     if task_config is not None and not isinstance(task_config, dict):
         raise SystemExit(f"--task-config must be a JSON object; got {args.task_config!r}")
+    saved = _saved_method(Path(args.policy))
     policy = load_policy(args.policy)
+    if args.video_predictions and not hasattr(policy, "predicted_future_images"):
+        raise ValueError(f"--video-predictions needs a policy that predicts future frames (policy.type video); {args.policy} is a {type(policy).__name__}")
+    acting, select = _runners(policy, saved, args.select, args.policy)
     seen = policy.config.extra.get("tasks", [])
     if seen and args.task not in seen:
         console.print(f"[yellow]note: this checkpoint was trained on {seen}, not on {args.task!r}: evaluating anyway")
+    if acting.description != "policy":
+        console.print(f"acting: {acting.description}")
     out.mkdir(parents=True, exist_ok=True)
-    make_runner, acting = _runner(policy, saved, args.select)
-    if acting != "policy":
-        console.print(f"acting: {acting}")
-    latency_ms = None
-    if args.select:
-        from kinema.train.evaluate import batch1_latency_ms
-
-        latency_ms = batch1_latency_ms(make_runner(), args.task, image_size=policy.config.image_size, task_config=task_config)
-        console.print(f"batch-1 latency with {args.select} samples: {latency_ms:.1f} ms")
-    results = {}
-    for split in splits:
-        try:
-            res, _ = evaluate(
-                policy, args.task, episodes=args.episodes, split=split, num_workers=args.workers,
-                image_size=policy.config.image_size, task_config=task_config, runner=make_runner(),
-            )  # fmt: skip
-        except SplitNotApplicable:
-            console.print(f"{split}: not applicable to {args.task}")
-            continue
-        results[split] = res.as_dict()
-        steps = f", {res.steps_to_success:.1f} steps to success" if res.steps_to_success else ""
-        console.print(f"{split}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes{steps}")
-    (out / "eval.json").write_text(
-        json.dumps({"policy": args.policy, "task": args.task, "task_config": task_config, "seen_tasks": seen, "acting": acting,
-                    "latency_ms": latency_ms, "results": results}, indent=2)
-    )
+    # Best-of-N is its own column: the policy as it acts alone first, then with selection, on the same seeds (paired).
+    columns = [(1, acting)] + ([(select.num_samples, select)] if select else [])
+    results, selected, latency = {}, {}, {}
+    for n, runner in columns:
+        latency[str(n)] = batch1_latency_ms(runner.make(), args.task, image_size=policy.config.image_size, task_config=task_config)
+        for split in splits:
+            try:
+                res, _ = evaluate(
+                    policy, args.task, episodes=args.episodes, split=split, num_workers=args.workers,
+                    image_size=policy.config.image_size, task_config=task_config, runner=runner.make(),
+                )  # fmt: skip
+            except SplitNotApplicable:
+                console.print(f"{split}: not applicable to {args.task}")
+                continue
+            (selected if n > 1 else results)[split] = res.as_dict()
+            label = f" with selection (N={n})" if n > 1 else ""
+            steps = f", {res.steps_to_success:.1f} steps to success" if res.steps_to_success else ""
+            console.print(f"{split}{label}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes{steps}")
+    summary = {"policy": args.policy, "task": args.task, "task_config": task_config, "seen_tasks": seen, "acting": acting.description,
+               "results": results, "latency_ms": latency}  # batch-1 latency per chunk, by number of candidates
+    if select:
+        summary.update(select=select.num_samples, selection=select.description, selection_results=selected)
+    (out / "eval.json").write_text(json.dumps(summary, indent=2))
     lines = [f"# kinema eval: {args.policy} on {args.task}", ""]
     if seen and args.task not in seen:
         lines += [f"Note: the checkpoint was trained on {seen}; {args.task} is unseen.", ""]
-    lines += ["| split | success | steps to success |", "|---|---|---|"]
+    if acting.description != "policy":
+        lines += [f"Acting: {acting.description}.", ""]
+    sel_col = f" with selection (N={select.num_samples}) |" if selected else ""
+    lines += [f"| split | success | steps to success |{sel_col}", "|---|---|---|" + ("---|" if selected else "")]
     for split, r in results.items():
         steps = f"{r['steps_to_success']:.1f}" if r["steps_to_success"] else "–"
-        lines.append(f"| {split} | {100 * r['success']:.0f} ± {100 * r['success_se']:.0f}% (n={r['episodes']}) | {steps} |")
+        row = f"| {split} | {100 * r['success']:.0f} ± {100 * r['success_se']:.0f}% (n={r['episodes']}) | {steps} |"
+        if split in selected:
+            p = selected[split]
+            row += f" {100 * p['success']:.0f} ± {100 * p['success_se']:.0f}% (n={p['episodes']}) |"
+        lines.append(row)
+    if select:
+        lines += ["", f"Selection: {select.description}."]
+    lines += ["", "Batch-1 latency per chunk: " + ", ".join(
+        f"{ms:.0f} ms" + (f" with selection (N={n})" if n != "1" else "") for n, ms in latency.items())]  # fmt: skip
     (out / "report.md").write_text("\n".join(lines) + "\n")
+    if args.video_predictions:
+        from kinema.train.report import record_video_predictions
+
+        shown = record_video_predictions(policy, args.task, task_config, policy.config.image_size, out / "videos" / "predictions.mp4")
+        console.print(f"predicted futures: {out / 'videos' / 'predictions.mp4'} ({shown['chunks']} chunks, columns: {', '.join(shown['columns'])})")
     if args.videos:
         from kinema.train.config import TrainConfig
         from kinema.train.report import record_video_grid
@@ -108,15 +128,40 @@ def _saved_method(checkpoint: Path) -> dict | None:
     return torch.load(path, weights_only=False) if path.exists() else None
 
 
-def _runner(policy, saved: dict | None, select: int):
-    """What acts in `kinema eval`, and its description: value-guided selection with a pa_rl critic (--select N),
-    the DSRL noise actor of a dsrl checkpoint, or the policy's own chunks."""
-    if select:
-        from kinema.train.methods.pa_rl import selection_runner
+@dataclass
+class _Acting:
+    """What acts in one column of `kinema eval`: a fresh runner per use (`make`), and what it is, in words."""
 
-        return (lambda: selection_runner(policy, saved["state"], num_samples=select)), f"value-guided selection among {select} chunks"
+    make: Callable[[], Any]
+    description: str
+    num_samples: int = 1
+
+
+def _runners(policy: Any, saved: dict | None, select: int | None, checkpoint: str) -> tuple[_Acting, _Acting | None]:
+    """The policy as it acts alone (the DSRL noise actor steering it for a dsrl checkpoint; a policy that plans,
+    at N = 1), and best-of-N by value when asked (`--select N`) or when the checkpoint plans by default: valued by
+    the chunk critic of a pa_rl checkpoint (V-GPS), else by the policy's own prediction (the video policy)."""
+    from kinema.train.evaluate import ChunkPolicy, SelectChunkPolicy
+
+    plans = hasattr(policy, "plan")
     if saved is not None and saved["name"] == "dsrl":
         from kinema.train.methods.dsrl import steered_runner
 
-        return (lambda: steered_runner(policy, saved["state"])), "the VLA steered by the checkpoint's DSRL noise actor"
-    return (lambda: None), "policy"
+        acting = _Acting(lambda: steered_runner(policy, saved["state"]), "the VLA steered by the checkpoint's DSRL noise actor")
+    elif plans:  # its chunks alone, whatever planning_candidates the checkpoint keeps
+        acting = _Acting(lambda: SelectChunkPolicy(policy, None, num_samples=1), "policy")
+    else:
+        acting = _Acting(lambda: ChunkPolicy(policy), "policy")
+    n = select if select is not None else (policy.config.planning_candidates if plans else 1)
+    if n <= 1:
+        return acting, None
+    if saved is not None and saved["name"] == "pa_rl":
+        from kinema.train.methods.pa_rl import selection_runner
+
+        return acting, _Acting(lambda: selection_runner(policy, saved["state"], num_samples=n),
+                               f"best of {n} sampled chunks by the pa_rl checkpoint's chunk critic", n)  # fmt: skip
+    if plans:
+        return acting, _Acting(lambda: SelectChunkPolicy(policy, None, num_samples=n), f"best of {n} sampled chunks by the policy's predicted value", n)
+    found = "no method.pt" if saved is None else f"the method.pt of {saved['name']!r}"
+    raise ValueError(f"--select needs a value for the chunks: the chunk critic of a pa_rl checkpoint (its method.pt) or a "
+                     f"policy that predicts values (policy.type video); {checkpoint} has {found} and is a {type(policy).__name__}")

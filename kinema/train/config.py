@@ -107,6 +107,10 @@ class PolicyOptions:
     state_dropout: float = 0.0  # probability of hiding the end-effector pose from the policy per training sample
     augment_shift: int = 4  # random-shift augmentation in training (pixels); 0 disables
     ema_decay: float = 0.995  # the acting/evaluated policy is an EMA of the trained weights (0: no average)
+    # --- type "video" only (ignored by the VLA; see policies/video_policy) ---
+    video_size: int = 32  # side of the frames the video model denoises
+    generator_path: str = ""  # a local diffusers-layout Wan folder (LoRA-tuned); empty: the tiny random Wan stack
+    planning_candidates: int = 1  # best-of-N chunks ranked by predicted value; 1: no planning
 
     def config_class(self) -> type:
         from policies import policy_classes
@@ -165,6 +169,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.rl.method not in METHODS:
             raise ValueError(f"rl.method {self.rl.method!r} is not known; valid: {', '.join(METHODS)}")
+        # A policy type may train with some methods only (the video policy has no separate action expert for PPO/NFT).
+        supported = getattr(self.policy.config_class(), "SUPPORTED_METHODS", None)
+        if supported is not None and self.rl.method not in supported:
+            raise ValueError(f"rl.method {self.rl.method!r} does not train a {self.policy.type!r} policy; valid for it: {', '.join(supported)}")
         METHODS[self.rl.method].check_config(self)
         if self.rl.replay_mixing not in REPLAY_MIXING:
             raise ValueError(f"rl.replay_mixing {self.rl.replay_mixing!r} is not known; valid: {', '.join(REPLAY_MIXING)}")

@@ -88,22 +88,30 @@ class ChunkPolicy:
 
 
 class SelectChunkPolicy(ChunkPolicy):
-    """PA-RL's action choice, and V-GPS at inference: `num_samples` ODE chunks per observation (from the per-episode
-    noise, the first being `ChunkPolicy`'s own), optionally refined by `refine_steps` gradient steps on the chunk
-    critic, and the one the critic values most is executed. With `record`, every executed chunk (the whole
-    chunk_size) is kept by (episode, step): `chunk_records()`, what PA-RL distils."""
+    """Best-of-N by value: PA-RL's action choice, V-GPS at inference, and the video policy's planning.
+    `num_samples` chunks per observation, and the one valued most is executed. The value is a chunk critic's (the
+    ODE chunks from the per-episode noise, the first being `ChunkPolicy`'s own, optionally refined by `refine_steps`
+    gradient steps on it) or, with `critic=None`, the policy's own prediction (`policy.plan`, which samples the
+    candidates with their values). With `record`, every executed chunk (the whole chunk_size) is kept by
+    (episode, step): `chunk_records()`, what PA-RL distils."""
 
-    def __init__(self, policy: Any, critic: Any, *, num_samples: int, refine_steps: int = 0, step_size: float = 0.0,
+    def __init__(self, policy: Any, critic: Any | None, *, num_samples: int, refine_steps: int = 0, step_size: float = 0.0,
                  record: bool = False) -> None:  # fmt: skip
         super().__init__(policy)
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1; got {num_samples}")
+        if critic is None and not hasattr(policy, "plan"):
+            raise ValueError(f"best-of-N needs a value: a chunk critic, or a policy that predicts its chunks' values "
+                             f"(policy.type video); {type(policy).__name__} predicts none")  # fmt: skip
         self.critic, self.num_samples, self.refine_steps, self.step_size, self.record = critic, num_samples, refine_steps, step_size, record
 
     def sample(self, batch: dict[str, Any]) -> torch.Tensor:
         from diffusion_rl.chunk_q import refine_chunks, select_chunks
 
         B, N = len(batch["task"]), self.num_samples
+        if self.critic is None:
+            planned = self.policy.plan(batch, candidates=N, noise=self._episode_noise(B))
+            return planned["chunks"][torch.arange(B, device=planned["best"].device), planned["best"]]
         cfg = self.policy.config
         noise = self._episode_noise(B, samples=N)
         if noise is None:

@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 import numpy as np
+import torch
 
 import cv2
 
@@ -320,3 +321,47 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
         "(`policies.load_policy`); rollouts of every round in `rollouts/` (LeRobotDataset v3).",
     ]
     return write_text_atomic(root / "report.md", "\n".join(lines) + "\n")
+
+
+def record_video_predictions(policy: Any, task: str, task_config: dict | None, image_size: int, path: Path, *, seed: int = VIDEO_SEED_OFFSET) -> dict:
+    """One episode of a policy that predicts futures (`predicted_future_images`, the video policy), as an MP4: one
+    frame per planned chunk, a row per camera with [observed now | predicted end of the chunk | observed then]
+    (the chunk's end, t + chunk_size, clamped to the episode's last step). Returns what the MP4 shows (also written
+    as `path` with .json)."""
+    if not hasattr(policy, "predicted_future_images"):
+        raise ValueError(f"{type(policy).__name__} does not predict future frames (--video-predictions needs policy.type video)")
+    cameras, horizon = policy.config.cameras, policy.config.chunk_size
+    runner = ChunkPolicy(policy)
+    env = make(task, task_config, image_size=image_size)
+    try:
+        obs, _ = env.reset(seed=seed)
+        seen, predicted, queue, success, planned_at = [], {}, [], False, []
+        for step in range(env.config.horizon):
+            seen.append({c: obs[f"observation.images.{c}"] for c in cameras})
+            if not queue:
+                batch = {k: (v[None] if isinstance(v, np.ndarray) else [v]) for k, v in obs.items()}
+                runner.about_to_act([seed], [step])
+                queue = list(runner(batch)[0])
+                with torch.no_grad():
+                    predicted[step] = {c: img[0].permute(1, 2, 0).cpu().numpy() for c, img in policy.predicted_future_images().items()}
+                planned_at.append(step)
+            obs, _, terminated, truncated, info = env.step(queue.pop(0))
+            success = bool(info["is_success"])
+            if terminated or truncated:
+                break
+        seen.append({c: obs[f"observation.images.{c}"] for c in cameras})
+    finally:
+        env.close()
+    last = len(seen) - 1
+    frames = []
+    for t in planned_at:
+        rows = []
+        for c in cameras:
+            guess = cv2.resize((predicted[t][c] * 255).round().astype(np.uint8), (image_size, image_size), interpolation=cv2.INTER_NEAREST)
+            rows.append(np.concatenate([seen[t][c], guess, seen[min(t + horizon, last)][c]], axis=1))
+        frames.append(np.concatenate(rows, axis=0))
+    write_mp4(path, np.stack(frames), max(1.0, CONTROL_HZ / policy.config.n_action_steps))
+    info = {"seed": seed, "success": success, "chunks": len(planned_at), "columns": ["observed now", "predicted (chunk end)", "observed (chunk end)"],
+            "rows": list(cameras), "chunk_size": horizon}
+    write_text_atomic(Path(path).with_suffix(".json"), json.dumps(info, indent=2))
+    return info

@@ -1,0 +1,261 @@
+"""The video-diffusion policy (policies/video_policy) at its tiny CPU size: the latent layout, planning, persistence,
+learning on a fixed batch, the trainer's future batches, and `kinema train --policy.type video` end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from diffusion_rl.data import Episode
+from kinema.train.actor import actor_updates
+from kinema.train.buffer import StepBuffer
+from policies import load_policy, make_policy
+from policies.video_policy import VideoPolicy, VideoPolicyConfig
+from policies.video_policy.modeling_video_policy import POLICY, VALUE, WORLD
+
+CAMS = ("agentview", "wrist")
+
+
+def tiny(**kw) -> VideoPolicy:
+    torch.manual_seed(0)
+    return make_policy("video", VideoPolicyConfig(**{"num_layers": 2, **kw}))
+
+
+def batch(B: int = 4, seed: int = 0, *, future: bool = True) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"observation.images.{c}": torch.randint(0, 256, (B, 64, 64, 3), generator=g, dtype=torch.uint8) for c in CAMS}
+    out.update({"observation.state": torch.randn(B, 8, generator=g), "task": ["open the drawer"] * B,
+                "action": torch.rand(B, 8, 7, generator=g) * 2 - 1, "action_is_pad": torch.zeros(B, 8, dtype=torch.bool)})
+    if future:
+        out.update({f"future.images.{c}": torch.randint(0, 256, (B, 64, 64, 3), generator=g, dtype=torch.uint8) for c in CAMS})
+        out.update({"future.state": torch.randn(B, 8, generator=g), "outcome": torch.tensor([1.0, 0.0] * (B // 2)),
+                    "steps_to_end": torch.arange(B, dtype=torch.float32)})
+    return out
+
+
+def test_actions_states_values_and_images_round_trip_through_the_latent_layout():
+    policy = tiny()
+    policy.set_normalization({"observation.state": {"mean": np.full(8, 0.3), "std": np.full(8, 2.0)}})
+    b = batch()
+    ctx = policy.encode(b)[0]
+    x0, known, _ = policy.target_latents(b, ctx)
+    assert x0.shape == (4, 48, len(policy.config.slots), 8, 8) and known.all()
+    s = policy.slot_index
+    torch.testing.assert_close(policy.decode_actions(x0[:, :, s["action"]]), b["action"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(policy.decode_states(x0[:, :, s["future.state"]]), b["future.state"], atol=1e-5, rtol=0)
+    value = b["outcome"] * 0.99 ** b["steps_to_end"]
+    torch.testing.assert_close(policy.decode_values(x0[:, :, s["value"]]), value, atol=1e-6, rtol=0)
+    # Images: 64 -> 32 pixels, then the exact pixel space: decoding gives the resized frame back.
+    image = policy._images(b, "future.images.wrist")
+    torch.testing.assert_close(policy.decode_images(x0[:, :, s["future.wrist"]]), image, atol=1e-5, rtol=0)
+    # Tiled copies average out noise: a noisy action frame decodes far closer than its per-element noise.
+    noisy = x0[:, :, s["action"]] + 0.1 * torch.randn_like(x0[:, :, s["action"]])
+    assert (policy.decode_actions(noisy) - b["action"]).abs().max() < 0.1
+
+
+def test_conditioning_modes_give_the_cosmos_slots():
+    policy = tiny()
+    given = policy.given_slots(torch.tensor([POLICY, WORLD, VALUE]))
+    names = np.array(policy.config.slots)
+    assert list(names[given[0].numpy()]) == ["current.agentview", "current.wrist", "current.state"]
+    assert list(names[given[1].numpy()]) == ["current.agentview", "current.wrist", "current.state", "action"]
+    assert list(names[~given[2].numpy()]) == ["value"]
+
+
+def test_planning_executes_the_highest_valued_candidate_and_n1_turns_it_off():
+    policy = tiny(planning_candidates=5).eval()
+    b = {k: v[:2] for k, v in batch().items()}
+    noise = torch.randn(2, 8, 7)
+    plan = policy.plan(b, noise=noise)
+    assert plan["chunks"].shape == (2, 5, 8, 7) and plan["values"].shape == (2, 5)
+    assert (plan["values"].std(1) > 0).all()  # the candidates differ in value, so the choice matters
+    chunk = policy.predict_action_chunk(b, noise=noise)
+    best = plan["values"].argmax(1)
+    torch.testing.assert_close(chunk, plan["chunks"][torch.arange(2), best])
+    assert not torch.allclose(chunk, plan["chunks"][torch.arange(2), plan["values"].argmin(1)])
+    torch.testing.assert_close(policy.last_prediction["value"], plan["values"].max(1).values)
+    # N = 1: one candidate, the plain policy sample (the first candidate's noise), no world-model pass.
+    policy.config.planning_candidates = 1
+    single = policy.plan(b, noise=noise)
+    assert single["chunks"].shape == (2, 1, 8, 7)
+    torch.testing.assert_close(single["chunks"][:, 0], plan["chunks"][:, 0])
+
+
+def test_best_of_n_by_the_policys_own_value_is_the_shared_selection_runner():
+    """`kinema eval --select N` on a video policy: SelectChunkPolicy without a critic executes the chunk `plan` values
+    most, whatever planning_candidates the checkpoint keeps; a policy that predicts no value is refused by name."""
+    from kinema.train.evaluate import SelectChunkPolicy
+
+    policy = tiny(planning_candidates=1).eval()
+    b = {k: v[:2] for k, v in batch(future=False).items()}
+    runner = SelectChunkPolicy(policy, None, num_samples=4)
+    runner.about_to_act([3, 5], [0, 0])  # per-episode noise, as `collect` gives it
+    chosen = runner.sample(b)
+    plan = policy.plan(b, candidates=4, noise=runner._episode_noise(2))
+    torch.testing.assert_close(chosen, plan["chunks"][torch.arange(2), plan["values"].argmax(1)])
+    assert policy.config.planning_candidates == 1  # the checkpoint's setting is untouched
+    with pytest.raises(ValueError, match="best-of-N needs a value: a chunk critic.*Identity predicts none"):
+        SelectChunkPolicy(torch.nn.Identity(), None, num_samples=4)
+
+
+def test_save_and_load_preserve_predictions_exactly(tmp_path: Path):
+    policy = tiny(planning_candidates=3).eval()
+    policy.set_normalization({"observation.state": {"mean": np.arange(8.0), "std": np.full(8, 3.0)}})
+    b = {k: v[:2] for k, v in batch().items()}
+    noise = torch.randn(2, 8, 7)
+    before = policy.predict_action_chunk(b, noise=noise)
+    policy.save_pretrained(str(tmp_path / "ckpt"))
+    loaded = load_policy(tmp_path / "ckpt").eval()
+    assert isinstance(loaded, VideoPolicy) and loaded.config.planning_candidates == 3
+    assert torch.equal(loaded.predict_action_chunk(b, noise=noise), before)
+    assert torch.equal(loaded.features(b), policy.features(b))
+    # A damaged config names the field.
+    cfg = (tmp_path / "ckpt" / "config.json")
+    cfg.write_text(cfg.read_text().replace('"planning_candidates": 3', '"planning_candidates": "many"'))
+    with pytest.raises(ValueError, match="planning_candidates"):
+        load_policy(tmp_path / "ckpt")
+
+
+def test_a_short_training_run_lowers_the_loss_on_a_fixed_batch_and_changes_the_weights():
+    policy = tiny()
+    b = batch(8)
+    b["t"] = torch.linspace(0.1, 0.9, 8)
+    b["noise"] = torch.randn(8, 48, len(policy.config.slots), 8, 8, generator=torch.Generator().manual_seed(1))
+    before = {k: v.clone() for k, v in policy.generator.transformer.state_dict().items()}
+    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+    with torch.no_grad():
+        first = policy.flow_loss(b).mean().item()
+    for _ in range(25):
+        loss = policy.flow_loss(b).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        last = policy.flow_loss(b).mean().item()
+    assert last < 0.5 * first, (first, last)
+    changed = [k for k, v in policy.generator.transformer.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(changed) > 0.9 * len(before)
+    assert not any(p.requires_grad for p in policy.generator.text_encoder.parameters())  # the frozen encoder stays
+
+
+def test_flow_loss_is_per_sample_and_weighted_by_the_credit():
+    policy = tiny()
+    b = batch(4)
+    b["t"], b["noise"] = torch.full((4,), 0.5), torch.randn(4, 48, len(policy.config.slots), 8, 8)
+    plain = policy.flow_loss(b)
+    weighted = policy.flow_loss(b, weights=torch.tensor([0.0, 1.0, 2.0, 0.5]))
+    assert plain.shape == (4,)
+    torch.testing.assert_close(weighted, plain * torch.tensor([0.0, 1.0, 2.0, 0.5]))
+    # Without future keys (e.g. a method's own batches), only the action slot trains.
+    no_future = {k: v for k, v in b.items() if not k.startswith("future.") and k not in ("outcome", "steps_to_end")}
+    assert policy.flow_loss(no_future).shape == (4,)
+
+
+def _episode(T: int, outcome: bool) -> Episode:
+    rng = np.random.default_rng(T)
+    obs = {f"observation.images.{c}": rng.integers(0, 255, (T, 32, 32, 3), dtype=np.uint8) for c in CAMS}
+    obs["observation.state"] = np.arange(T, dtype=np.float32)[:, None].repeat(8, 1)
+    return Episode(observations=obs, action=rng.uniform(-1, 1, (T, 7)).astype(np.float32), task="open the drawer",
+                   outcome=outcome)
+
+
+def test_the_buffer_gives_the_chunks_end_state_and_the_outcome():
+    buf = StepBuffer.from_episodes([_episode(10, True), _episode(6, False)], CAMS)
+    out = buf.batch(np.array([0, 5, 10, 14]), 4, future=True)
+    # steps 0 and 5 of episode 0 (T=10) -> 4 and 9 (clamped); steps 0 and 4 of episode 1 (T=6) -> 4 and 5
+    np.testing.assert_array_equal(out["future.state"][:, 0].numpy(), [4, 9, 4, 5])
+    np.testing.assert_array_equal(out["steps_to_end"].numpy(), [5, 0, 1, 0])
+    np.testing.assert_array_equal(out["outcome"].numpy(), [1, 1, 0, 0])
+    assert torch.equal(out["future.images.wrist"][2], torch.from_numpy(buf.images["wrist"][10 + 4]))
+    assert "future.state" not in buf.batch(np.array([0]), 4)  # the VLA's batches are unchanged
+
+
+def test_rl_updates_refine_world_model_and_value_on_all_replay_steps():
+    """The experience loss reaches failed rollouts that the credit weights leave out of the action loss."""
+    policy = tiny(experience_fraction=0.5)
+    demos = StepBuffer.from_episodes([_episode(12, True)], CAMS)
+    replay = StepBuffer.from_episodes([_episode(10, False)], CAMS)
+    policy.set_normalization(demos.stats())
+    seen = []
+    original = policy.experience_loss
+    policy.experience_loss = lambda b, **kw: (seen.append(b["outcome"].clone()), original(b, **kw))[1]
+    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
+    stats = actor_updates(policy, opt, steps=2, batch_size=4, demos=demos, replay=replay, replay_weights=np.zeros(len(replay)),
+                          demo_fraction=0.5, aux_weight=0.0, rng=np.random.default_rng(0))
+    assert stats["actor/replay_share"] == 0.0  # no credit: no rollout step in the action loss
+    assert len(seen) == 2 and all(len(o) == 2 and (o == 0).all() for o in seen)  # but the failures train world + value
+
+
+@pytest.mark.slow
+def test_kinema_train_runs_the_video_policy_end_to_end(tmp_path: Path):
+    from test_train_workflow import TINY
+
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "kinema.cli", "train", *TINY, "--policy.type", "video", "--rl.rounds", "1",
+         "--eval.heldout", "false", "--out", str(run)], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = load_policy(run / "checkpoints" / "final")
+    assert isinstance(final, VideoPolicy) and final.config.extra["tasks"] == ["drawer"]
+    assert (run / "rollouts" / "round-001" / "meta" / "info.json").exists()
+    sft = load_policy(run / "checkpoints" / "sft")
+    diff = [k for k, v in final.state_dict().items() if not torch.equal(v, sft.state_dict()[k])]
+    assert any(k.startswith("generator.transformer.") for k in diff)  # RL changed the transformer
+    # kinema eval: planning (best-of-N by its own value) as its own column with its batch-1 latency, and the predicted futures as an MP4.
+    out = tmp_path / "eval"
+    result = subprocess.run(
+        [sys.executable, "-m", "kinema.cli", "eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer",
+         "--episodes", "2", "--splits", "train", "--workers", "0", "--videos", "0", "--select", "2",
+         "--video-predictions", "--task-config", '{"horizon": 12}', "--out", str(out)], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "eval.json").read_text())
+    assert report["select"] == 2 and "policy's predicted value" in report["selection"]
+    assert report["selection_results"]["train"]["episodes"] == report["results"]["train"]["episodes"] == 2
+    assert set(report["latency_ms"]) == {"1", "2"} and report["latency_ms"]["2"] > report["latency_ms"]["1"]
+    assert "with selection (N=2)" in (out / "report.md").read_text()
+    from kinema.media import read_mp4
+
+    frames = read_mp4(out / "videos" / "predictions.mp4")
+    assert frames.shape[1:] == (2 * 32, 3 * 32, 3) and len(frames) == 3  # 12 steps, a chunk every 4: 3 chunks
+
+
+def test_a_local_generator_folder_trains_lora_and_checkpoints_reference_it(tmp_path: Path):
+    """The GPU path on a tiny stand-in: a diffusers-layout Wan folder with a real VAE, LoRA on its transformer,
+    checkpoints holding only the LoRA and buffers (the base is referenced by path, as a full-size Wan would be)."""
+    from policies.video.generator import VideoGenerator
+
+    VideoGenerator.from_preset("tiny-vae", seed=3).save_pretrained(tmp_path / "wan")
+    policy = make_policy("video", VideoPolicyConfig(generator_path=str(tmp_path / "wan"), video_size=32, lora_rank=4))
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert policy.config.hidden_dim == policy.features(batch(2)).shape[1]
+    b = batch(2)
+    loss = policy.flow_loss(b).mean()
+    loss.backward()
+    torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0).step()
+    policy.eval()
+    noise = torch.randn(2, 8, 7)
+    before = policy.predict_action_chunk(b, noise=noise)
+    policy.save_pretrained(str(tmp_path / "ckpt"))
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert all("lora_" in k or not k.startswith("generator.") for k in saved)
+    assert torch.equal(load_policy(tmp_path / "ckpt").eval().predict_action_chunk(b, noise=noise), before)
+
+
+def test_methods_that_cannot_train_the_video_policy_are_refused_with_the_valid_ones():
+    from kinema.common import load_config
+    from kinema.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="does not train a 'video' policy; valid for it: none, sft_continued, habc, awr"):
+        load_config(None, ["--policy.type", "video", "--rl.method", "flow_ppo"], config_class=TrainConfig)
+    assert load_config(None, ["--policy.type", "video", "--rl.method", "awr"], config_class=TrainConfig).policy.type == "video"
