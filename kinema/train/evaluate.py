@@ -97,12 +97,12 @@ class SelectChunkPolicy(ChunkPolicy):
 
     def __init__(self, policy: Any, critic: Any | None, *, num_samples: int, refine_steps: int = 0, step_size: float = 0.0,
                  record: bool = False) -> None:  # fmt: skip
-        super().__init__(policy)
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1; got {num_samples}")
         if critic is None and not hasattr(policy, "plan"):
             raise ValueError(f"best-of-N needs a value: a chunk critic, or a policy that predicts its chunks' values "
                              f"(policy.type video); {type(policy).__name__} predicts none")  # fmt: skip
+        super().__init__(policy)
         self.critic, self.num_samples, self.refine_steps, self.step_size, self.record = critic, num_samples, refine_steps, step_size, record
 
     def sample(self, batch: dict[str, Any]) -> torch.Tensor:
