@@ -47,7 +47,8 @@ def round_times(overrides: list[str], rounds: int) -> list[float]:
 
 
 def rank_main(rank: int, port: int, overrides: list[str], rounds: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      GLOO_SOCKET_IFNAME="lo")  # fmt: skip
     from kinema.train import distributed
 
     distributed.init_from_env()
@@ -63,7 +64,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="config overrides (default method: awr)")
     args = parser.parse_args()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     single = round_times(args.overrides, args.rounds)
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
         s.bind(("127.0.0.1", 0))
