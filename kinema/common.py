@@ -113,6 +113,26 @@ class Run:
         return state
 
 
+class FollowerRun(Run):
+    """A rank > 0's view of the run folder under torchrun (`kinema train`, `kinema video train`): it reads
+    it; rank 0 alone writes."""
+
+    def __init__(self, root: Path, console: Console) -> None:
+        self.root, self.console, self.board = root, console, None
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def resume(self) -> dict[str, Any]:
+        return self.state()
+
+    def close(self) -> None:
+        pass
+
+
 COLLECTED_WITH = "collected_with.json"  # beside a run's collected episodes: what collected them
 
 

@@ -4,13 +4,16 @@ Every rank runs the same learner on a disjoint, deterministic shard of the train
 the configured batch (`local_batch_size`); gradients are averaged over the ranks before anything reads them
 (`sync_gradients`, called by the shared update functions before clipping, and by a hook on every optimiser's step
 for the updates that do not call it), so N ranks take the very step one process would take on the N batches
-concatenated. Rank 0 alone writes the run folder. gloo on CPU, NCCL on GPUs; MASTER_ADDR comes from torchrun.
+concatenated. Rank 0 alone writes the run folder. gloo on CPU, NCCL on GPUs (each rank on the GPU of its
+LOCAL_RANK); MASTER_ADDR comes from torchrun. `kinema video train` uses the same pieces (kinema.video.trainer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,6 +22,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _hook: Any = None
+_alone = False  # see `alone`
 
 
 def world() -> tuple[int, int]:
@@ -37,6 +41,8 @@ def init_from_env() -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     if not dist.is_initialized():
+        if torch.cuda.is_available():  # one GPU per rank: "cuda" then means this rank's
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # Ranks > 0 wait in a collective while rank 0 alone evaluates: allow for long evaluations.
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(hours=4))
     install_step_hook()
@@ -52,6 +58,8 @@ def install_step_hook() -> None:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _alone:
+        return
     if getattr(optimizer, "_kinema_synced", False):
         optimizer._kinema_synced = False
     else:
@@ -79,6 +87,18 @@ def sync_gradients(optimizer: torch.optim.Optimizer) -> None:
     if world()[1] > 1:
         _all_reduce_mean(optimizer)
         optimizer._kinema_synced = True
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Optimiser steps this rank takes while the others wait (rank 0 fitting what they then read back from the run
+    folder): no averaging, which would wait for ranks that take no step."""
+    global _alone
+    before, _alone = _alone, True
+    try:
+        yield
+    finally:
+        _alone = before
 
 
 def shard(index: np.ndarray) -> np.ndarray:
@@ -109,6 +129,38 @@ def broadcast_object(obj: Any) -> Any:
     box = [obj if is_main() else None]
     dist.broadcast_object_list(box, 0)
     return box[0]
+
+
+def _collective_device(tensor: torch.Tensor) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else tensor.device
+
+
+def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's `tensor` (the same shape on each) concatenated along dim 0 in rank order; `tensor` itself on
+    one process. Rank r's rows are then `own_rows(len(tensor))`."""
+    size = world()[1]
+    if size == 1:
+        return tensor
+    local = tensor.detach().contiguous().to(_collective_device(tensor))
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local)
+    return torch.cat(parts).to(tensor.device)
+
+
+def own_rows(n: int) -> slice:
+    """This rank's rows of a `gather_rows` result, each rank holding n."""
+    rank = world()[0]
+    return slice(rank * n, (rank + 1) * n)
+
+
+def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value averaged over the ranks, in one collective; `values` itself on one process."""
+    if world()[1] == 1 or not values:
+        return values
+    flat = torch.tensor(list(values.values()), dtype=torch.float64)
+    flat = flat.to(_collective_device(flat))
+    dist.all_reduce(flat)
+    return dict(zip(values, (flat / world()[1]).tolist()))
 
 
 def barrier() -> None:

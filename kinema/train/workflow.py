@@ -27,6 +27,7 @@ from rich.console import Console
 from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.common import (
     STATE_FILE,
+    FollowerRun,
     Run,
     dump_config,
     interrupt_note,
@@ -99,25 +100,6 @@ def _set_aside_interrupted_rollouts(rollouts: Path, last_round: int, console: Co
         console.print(f"rollouts of the interrupted {stale.name} kept as {dest}; the round runs again")
 
 
-class _FollowerRun(Run):
-    """A rank > 0's view of the run folder under torchrun: it reads it; rank 0 alone writes."""
-
-    def __init__(self, root: Path, console: Console) -> None:
-        self.root, self.console, self.board = root, console, None
-
-    def log(self, record: dict[str, Any]) -> None:
-        pass
-
-    def save_state(self, state: dict[str, Any]) -> None:
-        pass
-
-    def resume(self) -> dict[str, Any]:
-        return self.state()
-
-    def close(self) -> None:
-        pass
-
-
 def evaluate_all(
     policy: Any, cfg: TrainConfig, episodes: int, *, heldout: bool, progress: RunProgress, label: str,
     runner: Callable[[Any], ChunkPolicy] | None = None,
@@ -171,7 +153,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
         run = Run(cfg.run_dir(), console, tensorboard=cfg.tensorboard, step_key="env_steps")
     else:
         distributed.barrier()  # after rank 0 has checked the folder and made it
-        run = _FollowerRun(cfg.run_dir(), console)
+        run = FollowerRun(cfg.run_dir(), console)
     state = run.resume() if resume else {}  # drops metrics records the last checkpoint does not cover
     if resume and not state:
         raise FileNotFoundError(f"nothing to resume in {run.root}: no {STATE_FILE} (start it without --resume)")

@@ -39,6 +39,7 @@ from diffusion_rl.flow import (
     sde_step_with_logprob,
     x0_from_velocity,
 )
+from kinema.train.distributed import gather_rows, own_rows
 from kinema.video.rollout import Rollout, velocity_fn
 from policies.video.generator import BASE  # the pre-trained model with every adapter disabled
 
@@ -325,7 +326,8 @@ class AFD(Method):
         with torch.no_grad():
             d_s = self.disc(ro.videos, ro.embeds)
             d_t = self.disc(teacher, ro.embeds)
-        adv = afd_advantages(d_s, ro.group_ids, whiten=True)
+        # Whitened over the round (every rank's samples, under torchrun): this rank keeps its own rows.
+        adv = afd_advantages(gather_rows(d_s), gather_rows(ro.group_ids), whiten=True)[own_rows(len(d_s))]
         ro.extra["afd_r"] = afd_weights(adv)
         stats.update({
             "afd/disc_loss": float(np.mean(losses)),
@@ -374,7 +376,7 @@ class OPSD(Method):
 
     def prepare(self, ro):
         tilt = reward_tilt_weights(self.tr.tilt_reward(ro), beta=self.opt.tilt_beta)
-        ro.extra["w"] = tilt / tilt.mean()
+        ro.extra["w"] = tilt / gather_rows(tilt).mean()  # mean 1 over the round, every rank's samples
         if self.opt.opsd_teacher == "privileged_prompt":
             privileged = [f"{p}, {self.opt.privileged_context}" for p in ro.prompts]
             ro.extra["teacher_emb"] = self.tr.generator.encode_prompts(privileged)

@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 
 from diffusion_rl.flow import euler_sample
+from kinema.train.distributed import gather_rows, own_rows, world
+from policies.video.rewards.balance import RewardBatch, reward_stats
 
 if TYPE_CHECKING:
     from kinema.video.methods import Method
@@ -87,7 +89,7 @@ def collect_rollout(generator: VideoGenerator, method: Method, rewards: RewardSe
         latents, extra = method.rollout(prompts, embeds)
         videos = generator.decode_latents(latents)
     ro = Rollout(prompts, group_ids, embeds, latents.detach(), videos, extra=extra)
-    scored = rewards(videos, prompts, group_ids)
+    scored = score_over_ranks(rewards, videos, prompts, group_ids)
     dev = generator.device  # rewards may score elsewhere (a CPU success model): the losses live here
     ro.scores = {k: v.to(dev) for k, v in scored.scores.items()}
     ro.advantages, ro.weights = scored.advantages.to(dev), scored.weights.to(dev)
@@ -95,3 +97,18 @@ def collect_rollout(generator: VideoGenerator, method: Method, rewards: RewardSe
         ro.weights = torch.ones_like(ro.weights)
     ro.extra["reward_stats"] = scored.stats
     return ro
+
+
+def score_over_ranks(rewards: RewardSet, videos: Tensor, prompts: list[str], group_ids: Tensor) -> RewardBatch:
+    """`rewards(videos, prompts, group_ids)`, with the advantages balanced over every rank's samples under torchrun.
+
+    Each rank scores its own samples (whole groups); the scores of the round are gathered, so that GDPO's batch
+    whitening and the reward stats see the round one process would have, and each rank keeps its own rows."""
+    if world()[1] == 1:
+        return rewards(videos, prompts, group_ids)
+    scores = {k: v.detach() for k, v in rewards.score(videos, prompts).items()}
+    round_scores = {k: gather_rows(v) for k, v in scores.items()}
+    round_groups = gather_rows(group_ids)  # the round's group ids: each rank keeps its groups' own
+    adv = rewards.advantages(round_scores, round_groups)
+    mine = own_rows(len(prompts))
+    return RewardBatch(scores, adv.advantages[mine], adv.weights[mine], {**reward_stats(round_scores, round_groups), **adv.stats})

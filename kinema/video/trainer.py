@@ -22,6 +22,11 @@ videos to the student's frames and size; OPSD needs matching latents (checked at
 Every tensor of a round lives on the generator's device; random draws come from the trainer's CPU generator
 (checkpointed) and are moved there, so a run resumes identically and draws the same on any device.
 
+Under torchrun (`kinema.train.distributed`) every rank draws the round's prompts alike and rolls out its own whole
+groups (`train.prompts_per_round` / ranks each); advantages are balanced over the round, every rank's samples; each
+update takes this rank's share of `train.batch_size` and averages the gradients over the ranks, so N ranks take
+the step one process would take on their minibatches together. One process is unchanged.
+
 Adapters (peft, named, on one transformer: no model copies; their names: `kinema.video.methods`):
     default  the trained student; evaluated CFG-free
     ref      EMA of `default` (VideoAWR's old reference that rolls out with CFG; NFT's and AFD's old policy)
@@ -49,6 +54,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from diffusion_rl.distill import stream_r1_reward
+from kinema.train.distributed import gather_rows, local_batch_size, mean_over_ranks, shard, sync_gradients, world
 from kinema.video.config import VideoTrainConfig
 from kinema.video.methods import METHOD_CLASSES, TRAINED
 from kinema.video.rollout import Rollout, collect_rollout, diversity, draw_prompts, ode_sample
@@ -163,12 +169,14 @@ class VideoTrainer:
     def tilt_reward(self, ro: Rollout) -> Tensor:
         """The r of the exp(β·r) rollout tilt (distill, OPSD): `train.options.tilt_reward`.
 
-        balanced: Stream-R1's r = mean_k z_k − ½·std_k z_k over the rewards z-scored across the round
-        (`diffusion_rl.distill.stream_r1_reward`); advantage (our variant): the balanced GDPO advantage."""
+        balanced: Stream-R1's r = mean_k z_k − ½·std_k z_k over the rewards z-scored across the round (every
+        rank's samples; `diffusion_rl.distill.stream_r1_reward`); advantage (our variant): the balanced GDPO
+        advantage."""
         if self.cfg.train.options.tilt_reward == "advantage":
             return ro.advantages
         z = torch.stack([s.float() for s in ro.scores.values()], dim=1)  # (B, K)
-        z = (z - z.mean(0)) / (z.std(0, correction=0) + 1e-6)
+        round_z = gather_rows(z)
+        z = (z - round_z.mean(0)) / (round_z.std(0, correction=0) + 1e-6)
         return stream_r1_reward(z).to(ro.advantages.device)
 
     def reward_saliency(self, ro: Rollout) -> tuple[Tensor, Tensor] | None:
@@ -185,16 +193,21 @@ class VideoTrainer:
                 (grad,) = torch.autograd.grad(s.sum(), videos, retain_graph=True)
                 maps.append(grad.abs().mean(2))  # (B, F, H, W)
                 z = s.detach().float()
-                axis.append((z - z.mean()) / (z.std(correction=0) + 1e-6))
+                round_z = gather_rows(z)  # z-scored over the round, every rank's samples
+                axis.append((z - round_z.mean()) / (round_z.std(correction=0) + 1e-6))
         if not maps:
             return None
         return torch.stack(maps, 1), torch.stack(axis, 1)
 
     # One round -----------------------------------------------------------------------------------------------------
     def collect(self) -> Rollout:
-        """This round's prompts (drawn by the trainer's numpy generator), rolled out, decoded and scored."""
+        """This round's prompts (drawn by the trainer's numpy generator), rolled out, decoded and scored; under
+        torchrun, this rank's whole groups of them."""
         k, g = self.cfg.train.prompts_per_round, self.cfg.train.group_size
         prompts, groups = draw_prompts(self.prompts, k, g, self.np_rng, self.generator.device)
+        if world()[1] > 1:
+            rows = (shard(np.arange(k))[:, None] * g + np.arange(g)).reshape(-1)
+            prompts, groups = [prompts[i] for i in rows], groups[torch.from_numpy(rows).to(groups.device)]
         return collect_rollout(self.generator, self.method, self.rewards, prompts, groups)
 
     def train_round(self, on_update: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -202,6 +215,11 @@ class VideoTrainer:
 
         `round` counts finished rounds: it moves only at the end, so a checkpoint never claims a half-done round."""
         this_round = self.round + 1
+        rank, size = world()
+        if size > 1:
+            # Each rank its own stream (rollout noise, minibatches, the losses' noise), one per round: the ranks draw
+            # apart, and a resumed run draws what it would have (the checkpoint holds rank 0's state only).
+            self.rng.manual_seed(int(np.random.SeedSequence([self.cfg.seed, this_round, rank]).generate_state(1)[0]))
         ro = self.collect()
         record: dict[str, Any] = {"kind": "round", "round": this_round, "method": self.method.name}
         for name, s in ro.scores.items():
@@ -210,21 +228,24 @@ class VideoTrainer:
         for key, value in ro.extra["reward_stats"].items():  # reward/<name>/{mean,std,min,max,group_std}, adv/...
             if isinstance(value, (int, float)):
                 record[key if key.startswith("reward/") else f"adv/{key}"] = float(value)
-        adv = ro.advantages.float()
+        adv = gather_rows(ro.advantages.float())  # the round's, every rank's
         record.update({"adv/mean": float(adv.mean()), "adv/std": float(adv.std(correction=0)), "adv/abs_max": float(adv.abs().max()),
-                       "adv/weight_mean": float(ro.weights.float().mean())})  # fmt: skip
+                       "adv/weight_mean": float(gather_rows(ro.weights.float()).mean())})  # fmt: skip
         record.update(self.method.prepare(ro))
         n = len(ro.prompts)
+        batch_size = min(local_batch_size(self.cfg.train.batch_size, "train.batch_size"), n)
         losses = []
         # A reward-gated method with every group degenerate has nothing to learn: no step, not even the anchor's
         # (at a zero-initialised adapter its gradient would be the rounding between two passes, scaled by Adam).
-        idle = self.method.reward_gated and not bool((ro.weights > 0).any())
+        # Every rank's groups count: the ranks step together or not at all.
+        idle = self.method.reward_gated and not bool((gather_rows(ro.weights) > 0).any())
         record["train/idle_round"] = float(idle)
         for u in range(0 if idle else self.cfg.train.updates_per_round):
-            idx = torch.randperm(n, generator=self.rng)[: min(self.cfg.train.batch_size, n)]
+            idx = torch.randperm(n, generator=self.rng)[:batch_size]
             loss, stats = self.method.loss(ro, idx, u)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            sync_gradients(self.optimizer)  # the ranks' mean, before clipping reads its norm
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
             self.optimizer.step()
             self.updates += 1
@@ -238,6 +259,10 @@ class VideoTrainer:
             if on_update is not None:
                 on_update()
         record["train/loss"] = float(np.mean(losses)) if losses else float("nan")
+        # Under torchrun rank 0 logs the round: each float is averaged over the ranks. The reward and advantage stats
+        # are the round's already (gathered); the rest are means over equal shares, so the round's means too, but
+        # for the maxima (distill/tilt_max, grpo/first_ratio_max_dev, ...), which become the means of the ranks'.
+        record.update(mean_over_ranks({k: v for k, v in record.items() if isinstance(v, float)}))
         record["train/updates"] = self.updates
         self.round = this_round
         return record

@@ -12,11 +12,16 @@ Reads top to bottom:
        `eval.interval` rounds; Ctrl-C saves and exits;
     6. evaluation after, sample grids and MP4s before/after, reward curves, report.md, and the post-trained
        generator as a diffusers folder, `final/` (`kinema.video.export`).
+
+Under torchrun (`torchrun --nproc-per-node N -m kinema.cli video train ...`) rank 0 makes stages 2-4 while the
+other ranks wait, then they read them back from the run folder; every rank post-trains on its share of each round
+(`kinema.video.trainer`); rank 0 alone evaluates, logs and writes the run folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import signal
 import threading
@@ -30,7 +35,8 @@ import torch
 from rich.console import Console
 
 from diffusion_rl.data.lerobot_v3 import read_episodes
-from kinema.common import Run, progress_bar, read_collected, warn_if_other_task, write_collected
+from kinema.common import FollowerRun, Run, progress_bar, read_collected, warn_if_other_task, write_collected
+from kinema.train import distributed
 from kinema.video.config import VideoTrainConfig, dump_config
 from kinema.video.export import FINAL_DIR, export_trainer
 from kinema.video.report import write_grid, write_report, write_reward_curves, write_videos_mp4
@@ -431,51 +437,83 @@ def interrupt_note_before_checkpoint(console: Console, root: Path, *, resuming: 
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def stages_before_post_training(
+    cfg: VideoTrainConfig, run: Run, state: dict[str, Any], console: Console
+) -> tuple[list[str], RewardSet, SuccessReward | None, Any]:
+    """2-4: sim videos, rewards, the judge, the pre-trained generator, each read back from the run folder when there:
+    (prompts, rewards, judge, generator). The prompts come from the clips, or from `state` when none were read."""
+    judge_done = not cfg.judge.enabled or any((run.root / JUDGE_DIR / f).exists() for f in ("config.json", JUDGE_SKIPPED))
+    need_clips = not (run.root / PRETRAINED_DIR).exists() or not judge_done or (
+        "success" in cfg.rewards.names and not (run.root / SUCCESS_DIR / "config.json").exists()
+    )
+    clips = sim_clips(cfg, run, console) if need_clips else None
+    prompts = sorted(set(clips.prompts)) if clips is not None else state.get("prompts", [])
+    rewards = build_rewards(cfg, clips, run, console)
+    judge = held_out_judge(cfg, clips, rewards, run, console)
+    generator = pretrained_generator(cfg, clips, run, console)
+    return prompts, rewards, judge, generator
+
+
 def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console | None = None) -> Path:
     console = console or Console(stderr=True)
+    if distributed.init_from_env():  # under torchrun: one data-parallel learner per rank
+        rank, size = distributed.world()
+        if cfg.train.prompts_per_round % size:
+            raise ValueError(f"train.prompts_per_round {cfg.train.prompts_per_round} does not split over {size} ranks "
+                             f"(each rolls out whole prompt groups): use a multiple of {size}")
+        distributed.local_batch_size(cfg.train.batch_size, "train.batch_size")
+        if rank:
+            console = Console(file=io.StringIO())  # rank 0 speaks for the run
+    main = distributed.is_main()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     started = time.time()
 
     # 1. Run folder ------------------------------------------------------------------------------------------------
-    run = Run(cfg.run_dir(), console, tensorboard=cfg.tensorboard, step_key="round")
-    if not resume and run.state():
-        raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
-    state = run.resume() if resume else {}  # drops the metrics records the last checkpoint does not cover
-    if resume and not state:
-        raise FileNotFoundError(f"nothing to resume in {run.root}: no state.json (start it without --resume)")
-    write_text_atomic(run.root / "config.yaml", dump_config(cfg))
+    if main:
+        run = Run(cfg.run_dir(), console, tensorboard=cfg.tensorboard, step_key="round")
+        if not resume and run.state():
+            raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
+        state = run.resume() if resume else {}  # drops the metrics records the last checkpoint does not cover
+        if resume and not state:
+            raise FileNotFoundError(f"nothing to resume in {run.root}: no state.json (start it without --resume)")
+        write_text_atomic(run.root / "config.yaml", dump_config(cfg))
+    else:
+        run, state = FollowerRun(cfg.run_dir(), console), {}
+    state = distributed.broadcast_object(state)  # rank 0's; the others wait here while it checks the folder
     samples = run.root / "samples"
 
     # Ctrl-C before the first checkpoint: nothing to resume, but the stages done so far are kept and reused.
     with interrupt_note_before_checkpoint(console, run.root, resuming=resume):
-        # 2-4. Sim videos, rewards, the pre-trained generator (each read back from the run folder when there) -------
-        judge_done = not cfg.judge.enabled or any((run.root / JUDGE_DIR / f).exists() for f in ("config.json", JUDGE_SKIPPED))
-        need_clips = not (run.root / PRETRAINED_DIR).exists() or not judge_done or (
-            "success" in cfg.rewards.names and not (run.root / SUCCESS_DIR / "config.json").exists()
-        )
-        clips = sim_clips(cfg, run, console) if need_clips else None
-        prompts = sorted(set(clips.prompts)) if clips is not None else state.get("prompts", [])
-        rewards = build_rewards(cfg, clips, run, console)
-        judge = held_out_judge(cfg, clips, rewards, run, console)
-        generator = pretrained_generator(cfg, clips, run, console)
+        # 2-4. Sim videos, rewards, the pre-trained generator ------------------------------------------------------
+        if main:
+            with distributed.alone():  # its fits step alone; the other ranks wait at the barrier
+                prompts, rewards, judge, generator = stages_before_post_training(cfg, run, state, console)
+        distributed.barrier()
+        if not main:  # every stage is in the run folder now: read back
+            prompts, rewards, judge, generator = stages_before_post_training(cfg, run, state, console)
+        prompts = distributed.broadcast_object(prompts)  # a rank that read no clips has no prompts of its own
 
         # 5. Post-training -----------------------------------------------------------------------------------------
         teacher, teacher_clips = teachers(cfg)
         if teacher_clips is not None:
             prompts = sorted(teacher_clips)  # AFD on a folder: the student learns the teacher's prompts
+        if distributed.world()[1] > 1:
+            distributed.broadcast_module(generator)  # rank 0's weights, whether made in memory or read back
+            torch.manual_seed(cfg.seed)  # the adapters (and AFD's discriminator) initialised alike on every rank
         trainer = VideoTrainer(cfg, generator, rewards, prompts, teacher=teacher, teacher_clips=teacher_clips, judge=judge)
         latest = state.get("latest_checkpoint")
         if latest:
-            trainer.load(run.root / latest)
+            trainer.load(run.root / latest)  # every rank the same checkpoint
             console.print(f"resumed {run.root} after {latest} (round {trainer.round})")
         elif not state:  # (a state without a checkpoint: stopped in round 1; the fresh trainer is that start)
-            with console.status("evaluating the pre-trained generator"):
-                record, videos = trainer.evaluate()
-            run.log({"kind": "eval", "stage": "before", "round": 0, **record})
-            shown, shown_prompts = trainer.showcase(videos, cfg.eval.videos)
-            write_grid(shown, samples / "before.png", prompts=shown_prompts, title="before post-training")
-            write_videos_mp4(shown, samples / "before.mp4")
+            if main:
+                with console.status("evaluating the pre-trained generator"):
+                    record, videos = trainer.evaluate()
+                run.log({"kind": "eval", "stage": "before", "round": 0, **record})
+                shown, shown_prompts = trainer.showcase(videos, cfg.eval.videos)
+                write_grid(shown, samples / "before.png", prompts=shown_prompts, title="before post-training")
+                write_videos_mp4(shown, samples / "before.mp4")
             state = {"round": 0, "prompts": prompts, "latest_checkpoint": None, "elapsed_s": time.time() - started}
             run.save_state(state)
 
@@ -491,7 +529,9 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
             record = trainer.train_round(on_update=lambda: bar.update(job, advance=1))
             bar.update(job, completed=trainer.round * t.updates_per_round)  # an idle round takes no steps
             record["time_s"] = elapsed0 + time.time() - started
-            if trainer.round % cfg.eval.interval == 0 or trainer.round == t.rounds:
+            if not main:  # evaluation, the log and checkpoints are rank 0's
+                pass
+            elif trainer.round % cfg.eval.interval == 0 or trainer.round == t.rounds:
                 bar.update(job, status=f"round {trainer.round}: evaluating")
                 ev, _ = trainer.evaluate()
                 run.log(record)
@@ -505,6 +545,8 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
             else:
                 run.log(record)
             if interrupted():
+                if not main:  # rank 0 saves the round
+                    raise KeyboardInterrupt
                 # Between rounds: the trainer holds exactly `trainer.round` finished rounds, all logged.
                 name = "checkpoints/interrupted"
                 trainer.save(run.root / name)
@@ -513,6 +555,8 @@ def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console
                 raise KeyboardInterrupt
 
     # 6. After: evaluation, pictures, report ------------------------------------------------------------------------
+    if not main:
+        return run.root
     if not state.get("final_done"):
         ev, videos = trainer.evaluate()
         before = next((r for r in run.records() if r.get("kind") == "eval" and r.get("stage") == "before"), None)
