@@ -1,6 +1,6 @@
 """`kinema video train`'s round on 2 gloo ranks against 1 process: seconds per `VideoTrainer.train_round`.
 
-    python benchmarks/video_ddp.py [--rounds 3] [-- --train.group_size 8 ...]  (config overrides after --)
+    python benchmarks/video_ddp.py [--quick] [--rounds 3] [-- --train.group_size 8 ...]  (config overrides after --)
 
 The tiny generator (5 frames of 16²), the rewards exposure and sharpness; the same global round on both sides
 (`train.prompts_per_round` × `train.group_size` rollouts, `train.updates_per_round` steps of `train.batch_size`):
@@ -62,8 +62,11 @@ def rank_main(rank: int, port: int, overrides: list[str], rounds: int, out: str)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one round each (about half a minute)")
     parser.add_argument("overrides", nargs="*", help="config overrides (default method: awr)")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds = 1
     single = round_times(args.overrides, args.rounds)
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,7 +76,7 @@ def main() -> None:
         mp.start_processes(rank_main, args=(port, args.overrides, args.rounds, out), nprocs=2, start_method="spawn")
         ddp = torch.load(out)
     one, two = statistics.median(single), statistics.median(ddp)
-    print(json.dumps({"overrides": " ".join(args.overrides), "rounds": args.rounds, "round_s_1_process": round(one, 2),
+    print(json.dumps({"benchmark": "video_ddp", "quick": args.quick, "overrides": " ".join(args.overrides), "rounds": args.rounds, "round_s_1_process": round(one, 2),
                       "round_s_2_ranks": round(two, 2), "ddp_round_ratio": round(two / one, 3),
                       "load_average": round(os.getloadavg()[0], 1)}))  # fmt: skip
 
