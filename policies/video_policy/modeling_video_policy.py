@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from diffusion_rl import flow
 from diffusion_rl.flow import SDEStep
+from policies.acting import ChunkedActing
 from policies.video_policy.configuration_video_policy import VideoPolicyConfig
 
 POLICY, WORLD, VALUE = 0, 1, 2  # conditioning modes
@@ -72,7 +73,7 @@ def untile(frames: Tensor, dim: int) -> Tensor:
     return frames.reshape(B, -1)[:, : reps * dim].reshape(B, reps, dim).mean(1)
 
 
-class VideoPolicy(nn.Module):
+class VideoPolicy(ChunkedActing, nn.Module):
     """Video-diffusion policy (Cosmos Policy family, CPU-sized by default). See the module docstring."""
 
     reads_future = True  # the trainer's buffer adds future frames, states and outcomes to this policy's batches
@@ -369,21 +370,6 @@ class VideoPolicy(nn.Module):
         given = self.given_slots(torch.full((known.shape[0],), POLICY, device=self.device))
         v = self._velocity_fn(known, given, ctx.prompt)(batch["x_t"], torch.as_tensor(batch["t"], device=self.device))
         return flow.sde_step_with_logprob(v, batch["x_t"], batch["t"], batch["t_next"], noise_level=noise_level, prev_sample=batch["x_next"])
-
-    def reset(self) -> None:
-        self._queue.clear()
-
-    @torch.no_grad()
-    def select_action(self, observation: Mapping[str, Any]) -> np.ndarray:
-        """One env's next action (action_dim,), replanning a chunk every `n_action_steps` steps."""
-        if not self._queue:
-            batch = {k: (v[None] if isinstance(v, np.ndarray) else [v]) for k, v in observation.items()}
-            was_training = self.training
-            self.eval()
-            chunk = self.predict_action_chunk(batch)[0].cpu().numpy()
-            self.train(was_training)
-            self._queue.extend(chunk[: self.config.n_action_steps])
-        return self._queue.popleft()
 
     # ----- persistence -----------------------------------------------------------------------------------------------
     def _saved_state(self) -> dict[str, Tensor]:

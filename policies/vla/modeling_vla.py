@@ -43,6 +43,7 @@ from diffusion_rl.flow import (
     time_schedule,
     velocity_target,
 )
+from policies.acting import ChunkedActing
 from policies.vla.configuration_vla import VLAConfig
 from policies.vla.smolvlm import BACKBONE_FILE, SmolVLMPrefix, check_backbone_record
 from policies.vla.text import HashTokenizer, TextEncoder
@@ -119,7 +120,7 @@ class ActionExpert(nn.Module):
         return self.out(h).view(-1, *self.shape)
 
 
-class VLAPolicy(nn.Module):
+class VLAPolicy(ChunkedActing, nn.Module):
     """Vision-language-action policy with a flow-matching action expert (π0/SmolVLA family, CPU-sized).
 
     The observation prefix comes from one of two backbones, both ending in the same (B, hidden_dim) context:
@@ -320,21 +321,6 @@ class VLAPolicy(nn.Module):
         context = self.features(batch) if context is None else context
         v = self.expert(batch["x_t"], batch["t"], context)
         return sde_step_with_logprob(v, batch["x_t"], batch["t"], batch["t_next"], noise_level=noise_level, prev_sample=batch["x_next"])
-
-    def reset(self) -> None:
-        self._queue.clear()
-
-    @torch.no_grad()
-    def select_action(self, observation: Mapping[str, Any]) -> np.ndarray:
-        """One env's next action (7,), replanning a chunk every `n_action_steps` steps."""
-        if not self._queue:
-            batch = {k: (v[None] if isinstance(v, np.ndarray) else [v]) for k, v in observation.items()}
-            was_training = self.training
-            self.eval()
-            chunk = self.predict_action_chunk(batch)[0].cpu().numpy()
-            self.train(was_training)
-            self._queue.extend(chunk[: self.config.n_action_steps])
-        return self._queue.popleft()
 
     # ----- persistence -----------------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str, *, extra_files: Mapping[str, bytes] | None = None) -> None:
