@@ -95,6 +95,9 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
                     "sampled chunks per decision, the one valued most executed; valued by a pa_rl checkpoint's chunk critic "
                     "(its method.pt) or by the policy's own prediction (policy.type video's planning); 1: off; default: "
                     "a video policy's planning_candidates")
+    ev.add_argument("--noise-scale", type=float, default=1.0, metavar="S",
+                    help="the flow sampler's initial noise times S for the policy alone (1: sampled; 0: zero noise, "
+                    "deterministic and mode-seeking); compare checkpoints at the same S")
     ev.add_argument("--video-predictions", action="store_true",
                     help="video policy: write videos/predictions.mp4, its predicted future frames beside the observed ones")
 

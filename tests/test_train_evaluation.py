@@ -52,3 +52,30 @@ def test_paired_difference_is_per_seed_on_the_seeds_both_evaluations_ran():
     same = {"train/seeds": [1, 2, 3, 4], "train/outcomes": [1, 1, 1, 1]}
     assert paired_difference({"train/seeds": [1, 2, 3, 4], "train/outcomes": [0, 0, 0, 0]}, same, "train")[:2] == (1.0, 0.0)
     assert paired_difference(a, {"heldout_objects/seeds": [1]}, "train") is None
+
+
+def test_noise_scale_zero_starts_every_chunk_from_zero_noise_and_one_is_the_sampled_policy():
+    """`eval.noise_scale` / `kinema eval --noise-scale`: the episode's noise times the scale; 0 gives the same chunk for
+    an observation whatever the episode's seed (deterministic), the chunk of zero noise."""
+    from test_train_pa_rl_dsrl import act, obs
+
+    from kinema.train.config import EvalConfig, PolicyOptions, TrainConfig
+    from kinema.train.evaluate import ChunkPolicy
+
+    policy = tiny_policy().eval()
+    batch = obs(2)
+    sampled = act(ChunkPolicy(policy), batch, [5, 6])
+    np.testing.assert_array_equal(act(ChunkPolicy(policy, noise_scale=1.0), batch, [5, 6]), sampled)
+    zero = act(ChunkPolicy(policy, noise_scale=0.0), batch, [5, 6])
+    np.testing.assert_array_equal(act(ChunkPolicy(policy, noise_scale=0.0), batch, [7, 8]), zero)  # the seed no longer matters
+    with torch.no_grad():
+        expected = policy.predict_action_chunk({k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in batch.items()},
+                                               noise=torch.zeros(2, policy.config.chunk_size, 7))  # fmt: skip
+    np.testing.assert_allclose(zero, expected[:, : policy.config.n_action_steps].numpy(), atol=1e-6)
+    assert not np.allclose(zero, sampled)
+    half = act(ChunkPolicy(policy, noise_scale=0.5), batch, [5, 6])
+    assert not np.allclose(half, zero) and not np.allclose(half, sampled)
+    with pytest.raises(ValueError, match="noise_scale must be >= 0"):
+        ChunkPolicy(policy, noise_scale=-1.0)
+    with pytest.raises(ValueError, match="eval.noise_scale scales the VLA's initial flow noise"):
+        TrainConfig(policy=PolicyOptions(type="video"), eval=EvalConfig(noise_scale=0.0))

@@ -108,11 +108,12 @@ def test_pa_rl_trains_its_critic_reports_calibration_and_selection_and_kinema_ev
     assert saved["name"] == "pa_rl" and "critic" in saved["state"]
     out = tmp_path / "eval"
     done = kinema("eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer", "--episodes", "1", "--splits", "train",
-                  "--workers", "0", "--videos", "0", "--select", "3", "--task-config", '{"horizon": 100}', "--out", str(out))  # fmt: skip
+                  "--workers", "0", "--videos", "0", "--select", "3", "--noise-scale", "0", "--task-config", '{"horizon": 100}', "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
     # The policy alone and best-of-3 by the critic, each its own column on the same seeds, with batch-1 latencies.
     assert report["select"] == 3 and "pa_rl checkpoint's chunk critic" in report["selection"]
+    assert report["acting"] == "policy, initial noise scaled by 0"  # the plain column from zero noise
     assert report["results"]["train"]["episodes"] == report["selection_results"]["train"]["episodes"] == 1
     assert set(report["latency_ms"]) == {"1", "3"} and report["latency_ms"]["3"] > 0
 
@@ -135,3 +136,5 @@ def test_dsrl_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_steers_with_i
     assert "DSRL noise actor" in json.loads((out / "eval.json").read_text())["acting"]
     refused = kinema(*args, "--select", "2")
     assert refused.returncode != 0 and "--select needs a value for the chunks" in refused.stderr
+    refused = kinema(*args, "--noise-scale", "0")  # its actor chooses the noise
+    assert refused.returncode != 0 and "acts with the noise its DSRL actor chooses" in refused.stderr

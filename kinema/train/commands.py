@@ -54,7 +54,7 @@ def eval_command(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
     if args.video_predictions and not hasattr(policy, "predicted_future_images"):
         raise ValueError(f"--video-predictions needs a policy that predicts future frames (policy.type video); {args.policy} is a {type(policy).__name__}")
-    acting, select = _runners(policy, saved, args.select, args.policy)
+    acting, select = _runners(policy, saved, args.select, args.policy, args.noise_scale)
     seen = policy.config.extra.get("tasks", [])
     if seen and args.task not in seen:
         console.print(f"[yellow]note: this checkpoint was trained on {seen}, not on {args.task!r}: evaluating anyway")
@@ -137,13 +137,16 @@ class _Acting:
     num_samples: int = 1
 
 
-def _runners(policy: Any, saved: dict | None, select: int | None, checkpoint: str) -> tuple[_Acting, _Acting | None]:
+def _runners(policy: Any, saved: dict | None, select: int | None, checkpoint: str, noise_scale: float = 1.0) -> tuple[_Acting, _Acting | None]:
     """The policy as it acts alone (the DSRL noise actor steering it for a dsrl checkpoint; a policy that plans,
     at N = 1), and best-of-N by value when asked (`--select N`) or when the checkpoint plans by default: valued by
     the chunk critic of a pa_rl checkpoint (V-GPS), else by the policy's own prediction (the video policy)."""
     from kinema.train.evaluate import ChunkPolicy, SelectChunkPolicy
 
     plans = hasattr(policy, "plan")
+    if noise_scale != 1.0 and (plans or (saved is not None and saved["name"] == "dsrl")):
+        raise ValueError(f"--noise-scale scales the VLA's own initial flow noise; {checkpoint} "
+                         f"{'is a video policy' if plans else 'acts with the noise its DSRL actor chooses'} (use 1)")
     if saved is not None and saved["name"] == "dsrl":
         from kinema.train.methods.dsrl import steered_runner
 
@@ -151,7 +154,8 @@ def _runners(policy: Any, saved: dict | None, select: int | None, checkpoint: st
     elif plans:  # its chunks alone, whatever planning_candidates the checkpoint keeps
         acting = _Acting(lambda: SelectChunkPolicy(policy, None, num_samples=1), "policy")
     else:
-        acting = _Acting(lambda: ChunkPolicy(policy), "policy")
+        acting = _Acting(lambda: ChunkPolicy(policy, noise_scale=noise_scale),
+                         "policy" if noise_scale == 1.0 else f"policy, initial noise scaled by {noise_scale:g}")
     n = select if select is not None else (policy.config.planning_candidates if plans else 1)
     if n <= 1:
         return acting, None

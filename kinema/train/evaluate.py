@@ -25,10 +25,15 @@ class ChunkPolicy:
     observation and per-step log-probs: `chunk_records()`, what the Flow-SDE PPO/GRPO baseline needs.
     """
 
-    def __init__(self, policy: Any, *, n_action_steps: int | None = None, sde_noise: float | None = None) -> None:
+    def __init__(self, policy: Any, *, n_action_steps: int | None = None, sde_noise: float | None = None, noise_scale: float = 1.0) -> None:
+        if noise_scale != 1.0 and hasattr(policy, "plan"):
+            raise ValueError(f"noise_scale scales a flow sampler's initial noise; {type(policy).__name__} samples latents of its own (use 1)")
+        if noise_scale < 0:
+            raise ValueError(f"noise_scale must be >= 0; got {noise_scale}")
         self.policy = policy
         self.n_action_steps = n_action_steps or policy.config.n_action_steps
         self.sde_noise = sde_noise
+        self.noise_scale = noise_scale
         self.records: dict[tuple[int, int], dict[str, Any]] = {}  # by (episode start-order number, step)
         self.finished: list[int] = []  # start-order numbers, in the order `collect` returns the episodes
         self._last: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
@@ -53,9 +58,16 @@ class ChunkPolicy:
         return torch.stack(rows).to(self.policy.device)
 
     def sample(self, batch: dict[str, Any]) -> torch.Tensor:
-        """The ODE chunks (B, chunk, action_dim) to act with: the policy's, from the per-episode noise. Runners that
-        choose or steer chunks (PA-RL's selection, DSRL's noise actor) override this."""
-        return self.policy.predict_action_chunk(batch, noise=self._episode_noise(len(batch["task"])))
+        """The ODE chunks (B, chunk, action_dim) to act with: the policy's, from the per-episode noise times
+        `noise_scale` (0: every chunk from zero noise, a deterministic, mode-seeking sampler). Runners that choose or
+        steer chunks (PA-RL's selection, DSRL's noise actor) override this."""
+        B = len(batch["task"])
+        noise = self._episode_noise(B)
+        if self.noise_scale != 1.0:
+            cfg = self.policy.config
+            noise = torch.randn(B, cfg.chunk_size, cfg.action_dim, device=self.policy.device) if noise is None else noise
+            noise = noise * self.noise_scale
+        return self.policy.predict_action_chunk(batch, noise=noise)
 
     @torch.no_grad()
     def __call__(self, obs: dict[str, Any]) -> np.ndarray:

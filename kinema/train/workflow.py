@@ -114,7 +114,8 @@ def evaluate_all(
                 out[split], _ = evaluate(
                     policy, cfg.task, episodes=episodes, split=split, num_envs=cfg.num_envs, num_workers=cfg.workers,
                     image_size=cfg.policy.image_size, task_config=cfg.task_config or None, seed=cfg.seed * 10_000,
-                    on_episode=lambda ep: progress.advance(), runner=runner(policy) if runner else None,
+                    on_episode=lambda ep: progress.advance(),
+                    runner=runner(policy) if runner else ChunkPolicy(policy, noise_scale=cfg.eval.noise_scale),
                 )  # fmt: skip
         except SplitNotApplicable:
             progress.bar.console.print(f"{SPLIT_NAMES[split]}: not applicable to {cfg.task}")

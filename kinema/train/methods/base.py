@@ -165,7 +165,7 @@ class RLMethod:
     # -- how its policy is evaluated -------------------------------------------------------------------------------------
     def eval_runner(self, policy: Any) -> ChunkPolicy:
         """What acts in the round and final evaluations: the policy's own ODE chunks (DSRL: steered by its actor)."""
-        return ChunkPolicy(policy)
+        return ChunkPolicy(policy, noise_scale=self.cfg.eval.noise_scale)
 
     def final_evaluations(self, policy: Any, progress: RunProgress) -> list[dict[str, Any]]:
         """Evaluation records beside the final one (PA-RL: value-guided selection at N samples, with its latency)."""
