@@ -47,6 +47,11 @@ inflated by runs sharing the CPU), with `sft_then_habc`: the compute HABC needs 
     python benchmarks/vla_rl.py --jobs 8 --out runs/bench     # 8 runs at once (logs in runs/bench/logs/)
     python benchmarks/vla_rl.py --tasks push --methods habc,sft_continued --out runs/staged \
         --start 'runs/bench/{task}-s{seed}/sft_continued'     # branch from the control's end: SFT to its plateau, then RL
+    python benchmarks/vla_rl.py --tasks drawer --eval.noise_scale 0   # every arm evaluated from zero initial noise
+
+Other options are config overrides for every run (`--rl.rounds 3`, ...). Evaluations sample the initial flow noise
+by default; DSRL's actor chooses near-zero noise, which alone is worth about 8 points on drawer, so compare it against
+the others at `--eval.noise_scale 0` too.
 
 With `--policies vla,video` the video-diffusion policy (policies/video_policy) joins on the same demonstrations and
 env steps, in four forms: its SFT, its SFT with best-of-N planning, RL (`--video-method`, HABC by default) and RL
