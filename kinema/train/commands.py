@@ -113,7 +113,7 @@ def eval_command(args: argparse.Namespace) -> int:
         from kinema.train.report import record_video_grid
 
         cfg = TrainConfig(task=args.task, task_config=task_config or {})
-        cfg.eval.videos = args.videos
+        cfg.eval.videos, cfg.eval.noise_scale = args.videos, args.noise_scale
         cfg.policy.image_size = policy.config.image_size
         record_video_grid(policy, cfg, out / "videos", "eval")
     console.print(f"report: {out / 'report.md'}")

@@ -40,7 +40,7 @@ def record_video_grid(policy: Any, cfg: Any, folder: Path, label: str) -> list[P
     n = cfg.eval.videos
     if n < 1:
         return []
-    runner = ChunkPolicy(policy)
+    runner = ChunkPolicy(policy, noise_scale=cfg.eval.noise_scale)  # as the evaluations act
     episodes = []
     for i in range(n):
         seed = VIDEO_SEED_OFFSET + i
