@@ -132,3 +132,29 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
     except SafetensorError as err:  # truncated or overwritten: writes are atomic, so this is damage from outside
         raise ValueError(f"{path / WEIGHTS_NAME} cannot be read as safetensors ({err}); the checkpoint is damaged") from None
     return config, weights
+
+
+def config_fields(cls: Any, data: Mapping[str, Any], *, policy_type: str, name: str, format_version: int) -> dict[str, Any]:
+    """The dataclass fields of a policy's config.json, checked: its `policy_type` and `format_version`, no unknown
+    field, and each plain field of its default's type (a hand-edited or damaged file names the field rather than
+    failing deep in the model)."""
+    from dataclasses import fields
+
+    data = dict(data)
+    version = data.pop("format_version", None)
+    kind = data.pop("policy_type", None)
+    if kind != policy_type:
+        raise ValueError(f"config.json describes a {kind!r} policy, not a kinema {name}")
+    if version != format_version:
+        raise ValueError(f"checkpoint format_version {version} is not supported (this kinema reads {format_version}); "
+                         "re-export it with the kinema version that wrote it")  # fmt: skip
+    valid = {f.name for f in fields(cls)}
+    if unknown := set(data) - valid:
+        raise ValueError(f"config.json has unknown {name} fields {sorted(unknown)}; valid: {sorted(valid)}")
+    for f in fields(cls):
+        if f.name in data and isinstance(f.default, (bool, int, float, str)):
+            expected, value = type(f.default), data[f.name]
+            fits = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+            if not (fits or (expected is float and isinstance(value, int) and not isinstance(value, bool))):
+                raise ValueError(f"config.json field {f.name} is {value!r}; expected {expected.__name__}")
+    return data

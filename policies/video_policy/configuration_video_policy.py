@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FORMAT_VERSION = 1
@@ -100,23 +100,9 @@ class VideoPolicyConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> VideoPolicyConfig:
-        data = dict(data)
-        version = data.pop("format_version", None)
-        kind = data.pop("policy_type", None)
-        if kind != "video":
-            raise ValueError(f"config.json describes a {kind!r} policy, not a kinema video policy")
-        if version != FORMAT_VERSION:
-            raise ValueError(f"checkpoint format_version {version} is not supported (this kinema reads {FORMAT_VERSION})")
-        valid = {f.name for f in fields(cls)}
-        if unknown := set(data) - valid:
-            raise ValueError(f"config.json has unknown video-policy fields {sorted(unknown)}; valid: {sorted(valid)}")
-        for f in fields(cls):  # a hand-edited or damaged file: name the field rather than fail deep in the model
-            if f.name in data and isinstance(f.default, (bool, int, float, str)):
-                kind_, value = type(f.default), data[f.name]
-                fits = isinstance(value, kind_) and not (kind_ is int and isinstance(value, bool))
-                if not (fits or (kind_ is float and isinstance(value, int) and not isinstance(value, bool))):
-                    raise ValueError(f"config.json field {f.name} is {value!r}; expected {kind_.__name__}")
-        return cls(**data)
+        from policies.checkpoint import config_fields
+
+        return cls(**config_fields(cls, data, policy_type="video", name="video policy", format_version=FORMAT_VERSION))
 
     # The trainer's methods that train it: the imitation-style ones, whose per-sample flow loss covers its whole
     # sequence (Flow-SDE PPO and NFT reach into the VLA's separate action expert).

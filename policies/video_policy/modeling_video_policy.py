@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from diffusion_rl import flow
 from diffusion_rl.flow import SDEStep
-from policies.acting import ChunkedActing
+from policies.acting import ChunkedActing, camera_images
 from policies.video_policy.configuration_video_policy import VideoPolicyConfig
 
 POLICY, WORLD, VALUE = 0, 1, 2  # conditioning modes
@@ -109,15 +109,7 @@ class VideoPolicy(ChunkedActing, nn.Module):
         return self.state_mean.device
 
     def _images(self, batch: Mapping[str, Any], key: str) -> Tensor:
-        if key not in batch:
-            raise KeyError(f"batch lacks {key!r}; this policy reads cameras {list(self.config.cameras)}")
-        img = torch.as_tensor(batch[key], device=self.device)
-        if img.dtype == torch.uint8:
-            img = img.permute(0, 3, 1, 2).float() / 255.0 if img.shape[-1] == 3 else img.float() / 255.0
-        size = self.config.video_size
-        if img.shape[-1] != size or img.shape[-2] != size:
-            img = F.interpolate(img.float(), size=(size, size), mode="bilinear", align_corners=False, antialias=True)
-        return img.float()
+        return camera_images(batch, key, self.config.video_size, self.device, self.config.cameras)
 
     @torch.no_grad()
     def encode_images(self, images: Tensor) -> Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FORMAT_VERSION = 1
@@ -103,29 +103,11 @@ class VLAConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> VLAConfig:
+        from policies.checkpoint import config_fields
+
         data = dict(data)
-        version = data.pop("format_version", None)
-        kind = data.pop("policy_type", None)
-        if kind != "vla":
-            raise ValueError(f"config.json describes a {kind!r} policy, not a kinema VLA")
-        if version != FORMAT_VERSION:
-            raise ValueError(
-                f"checkpoint format_version {version} is not supported (this kinema reads {FORMAT_VERSION}); "
-                "re-export it with the kinema version that wrote it"
-            )
-        # Checkpoints written before `aux_input` existed fed the aux head the fused feature.
-        data.setdefault("aux_input", "fused")
-        valid = {f.name for f in fields(cls)}
-        unknown = set(data) - valid
-        if unknown:
-            raise ValueError(f"config.json has unknown VLA fields {sorted(unknown)}; valid: {sorted(valid)}")
-        for f in fields(cls):  # a hand-edited or damaged file: name the field rather than fail deep in __post_init__
-            if f.name in data and isinstance(f.default, (bool, int, float, str)):
-                kind, value = type(f.default), data[f.name]
-                fits = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-                if not (fits or (kind is float and isinstance(value, int) and not isinstance(value, bool))):
-                    raise ValueError(f"config.json field {f.name} is {value!r}; expected {kind.__name__}")
-        return cls(**data)
+        data.setdefault("aux_input", "fused")  # checkpoints written before `aux_input` fed the aux head the fused feature
+        return cls(**config_fields(cls, data, policy_type="vla", name="VLA", format_version=FORMAT_VERSION))
 
     ARCHITECTURE_FIELDS = (
         "backbone", "cameras", "image_size", "state_dim", "action_dim", "chunk_size", "vision_channels", "vision_dim",

@@ -43,7 +43,7 @@ from diffusion_rl.flow import (
     time_schedule,
     velocity_target,
 )
-from policies.acting import ChunkedActing
+from policies.acting import ChunkedActing, camera_images
 from policies.vla.configuration_vla import VLAConfig
 from policies.vla.smolvlm import BACKBONE_FILE, SmolVLMPrefix, check_backbone_record
 from policies.vla.text import HashTokenizer, TextEncoder
@@ -181,15 +181,7 @@ class VLAPolicy(ChunkedActing, nn.Module):
         return self.state_mean.device
 
     def _image(self, batch: Mapping[str, Any], cam: str) -> Tensor:
-        key = f"observation.images.{cam}"
-        if key not in batch:
-            raise KeyError(f"batch lacks {key!r}; this policy reads cameras {list(self.config.cameras)}")
-        img = torch.as_tensor(batch[key], device=self.device)
-        if img.dtype == torch.uint8:
-            img = img.permute(0, 3, 1, 2).float() / 255.0 if img.shape[-1] == 3 else img.float() / 255.0
-        size = self.config.image_size
-        if img.shape[-1] != size or img.shape[-2] != size:
-            img = F.interpolate(img, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+        img = camera_images(batch, f"observation.images.{cam}", self.config.image_size, self.device, self.config.cameras)
         if self.training and self.config.augment_shift:
             img = random_shift(img, self.config.augment_shift)
         return img
