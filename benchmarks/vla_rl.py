@@ -604,12 +604,13 @@ def _video_summary(out: Path, regime: str, tasks, seeds, starts, method, candida
     mean = {k: _mean(v) for k, v in rows.items()}
     root = _task_dir(out, regime, tasks[0], 0)
     task_config = _run_config(root / "video_rl").get("task_config") or None
+    vla, video = load_policy(starts[regime, tasks[0], 0] / "checkpoints" / "sft"), load_policy(root / "video_sft" / "checkpoints" / "sft")
+    runners = {"vla": (vla, ChunkPolicy(vla)), "video": (video, SelectChunkPolicy(video, None, num_samples=1)),
+               "video_planning": (video, SelectChunkPolicy(video, None, num_samples=candidates))}  # fmt: skip
     latency = {}
-    for name, run, n in (("vla", starts[regime, tasks[0], 0], 0), ("video", root / "video_sft", 1),
-                         ("video_planning", root / "video_sft", candidates)):
-        policy = load_policy(run / "checkpoints" / "sft")
-        runner = SelectChunkPolicy(policy, None, num_samples=n) if n else ChunkPolicy(policy)
-        latency[name] = round(batch1_latency_ms(runner, tasks[0], image_size=policy.config.image_size, task_config=task_config), 1)
+    for size in {policy.config.image_size for policy, _ in runners.values()}:  # measured together where they see one observation
+        same = {name: runner for name, (policy, runner) in runners.items() if policy.config.image_size == size}
+        latency.update({name: round(ms, 1) for name, ms in batch1_latency_ms(same, tasks[0], image_size=size, task_config=task_config).items()})
     print(f"video policy ({method}): SFT {_pct(mean['sft'], _pooled_se(rows['sft']))}, SFT+planning(N={candidates}) "
           f"{_pct(mean['sft_planning'], _pooled_se(rows['sft_planning']))}, RL {_pct(mean['rl'], _pooled_se(rows['rl']))}, "
           f"RL+planning {_pct(mean['rl_planning'], _pooled_se(rows['rl_planning']))}, control {_pct(mean['control'], _pooled_se(rows['control']))}; "

@@ -55,6 +55,32 @@ def test_selection_of_one_sample_is_the_plain_policy_and_of_n_the_critics_argmax
     assert not np.allclose(chosen, plain)  # five candidates are not one
 
 
+def test_selection_from_zero_noise_keeps_the_deterministic_chunk_as_its_first_candidate():
+    policy = tiny_policy().eval()
+    critic = ChunkQ(policy.config.hidden_dim, policy.config.n_action_steps, 7, hidden_dim=16)
+    batch, seeds = obs(2), [5, 6]
+    deterministic = act(ChunkPolicy(policy, noise_scale=0.0), batch, seeds)
+    np.testing.assert_allclose(act(SelectChunkPolicy(policy, critic, num_samples=1, noise_scale=0.0), batch, seeds), deterministic, atol=1e-6)
+    # With N = 4, candidate 0 is that chunk and the other three are sampled: a critic that values closeness to it
+    # picks candidate 0, one that values distance picks a sampled chunk.
+    target = torch.from_numpy(deterministic[:, 0])
+
+    class Closeness(ChunkQ):  # Q = ± the squared distance of the chunk's first action to the deterministic one's
+        sign = 1.0
+
+        def forward(self, features, chunk):
+            rows = target.repeat_interleave(len(chunk) // len(target), 0)
+            return -self.sign * ((chunk[:, 0] - rows) ** 2).sum(-1)
+
+    critic = Closeness(policy.config.hidden_dim, policy.config.n_action_steps, 7, hidden_dim=16)
+    runner = SelectChunkPolicy(policy, critic, num_samples=4, record=True, noise_scale=0.0)
+    chosen = act(runner, batch, seeds)
+    assert runner._last[1]["sample_index"].tolist() == [0, 0] and np.allclose(chosen, deterministic, atol=1e-5)
+    critic.sign = -1.0
+    chosen = act(runner, batch, seeds)
+    assert (runner._last[1]["sample_index"] > 0).all() and not np.allclose(chosen, deterministic)
+
+
 def test_the_steered_runner_starts_the_sampler_from_the_actors_noise():
     policy = tiny_policy().eval()
     torch.manual_seed(1)

@@ -63,9 +63,9 @@ def eval_command(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # Best-of-N is its own column: the policy as it acts alone first, then with selection, on the same seeds (paired).
     columns = [(1, acting)] + ([(select.num_samples, select)] if select else [])
-    results, selected, latency = {}, {}, {}
+    results, selected = {}, {}
+    latency = batch1_latency_ms({str(n): runner.make() for n, runner in columns}, args.task, image_size=policy.config.image_size, task_config=task_config)
     for n, runner in columns:
-        latency[str(n)] = batch1_latency_ms(runner.make(), args.task, image_size=policy.config.image_size, task_config=task_config)
         for split in splits:
             try:
                 res, _ = evaluate(
@@ -162,7 +162,7 @@ def _runners(policy: Any, saved: dict | None, select: int | None, checkpoint: st
     if saved is not None and saved["name"] == "pa_rl":
         from kinema.train.methods.pa_rl import selection_runner
 
-        return acting, _Acting(lambda: selection_runner(policy, saved["state"], num_samples=n),
+        return acting, _Acting(lambda: selection_runner(policy, saved["state"], num_samples=n, noise_scale=noise_scale),
                                f"best of {n} sampled chunks by the pa_rl checkpoint's chunk critic", n)  # fmt: skip
     if plans:
         return acting, _Acting(lambda: SelectChunkPolicy(policy, None, num_samples=n), f"best of {n} sampled chunks by the policy's predicted value", n)

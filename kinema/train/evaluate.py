@@ -102,19 +102,21 @@ class ChunkPolicy:
 class SelectChunkPolicy(ChunkPolicy):
     """Best-of-N by value: PA-RL's action choice, V-GPS at inference, and the video policy's planning.
     `num_samples` chunks per observation, and the one valued most is executed. The value is a chunk critic's (the
-    ODE chunks from the per-episode noise, the first being `ChunkPolicy`'s own, optionally refined by `refine_steps`
-    gradient steps on it) or, with `critic=None`, the policy's own prediction (`policy.plan`, which samples the
-    candidates with their values). With `record`, every executed chunk (the whole chunk_size) is kept by
-    (episode, step): `chunk_records()`, what PA-RL distils."""
+    ODE chunks from the per-episode noise, optionally refined by `refine_steps` gradient steps on it) or, with
+    `critic=None`, the policy's own prediction (`policy.plan`, which samples the candidates with their values).
+    The first candidate is the chunk `ChunkPolicy(policy, noise_scale=...)` would execute, so N = 1 is the policy as
+    it acts alone; the other N − 1 start from sampled noise (at `noise_scale` 0 they add the policy's spread around
+    its deterministic chunk). With `record`, every executed chunk (the whole chunk_size) is kept by (episode, step):
+    `chunk_records()`, what PA-RL distils."""
 
     def __init__(self, policy: Any, critic: Any | None, *, num_samples: int, refine_steps: int = 0, step_size: float = 0.0,
-                 record: bool = False) -> None:  # fmt: skip
+                 record: bool = False, noise_scale: float = 1.0) -> None:  # fmt: skip
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1; got {num_samples}")
         if critic is None and not hasattr(policy, "plan"):
             raise ValueError(f"best-of-N needs a value: a chunk critic, or a policy that predicts its chunks' values "
                              f"(policy.type video); {type(policy).__name__} predicts none")  # fmt: skip
-        super().__init__(policy)
+        super().__init__(policy, noise_scale=noise_scale)
         self.critic, self.num_samples, self.refine_steps, self.step_size, self.record = critic, num_samples, refine_steps, step_size, record
 
     def sample(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -128,6 +130,8 @@ class SelectChunkPolicy(ChunkPolicy):
         noise = self._episode_noise(B, samples=N)
         if noise is None:
             noise = torch.randn(B, N, cfg.chunk_size, cfg.action_dim, device=self.policy.device)
+        if self.noise_scale != 1.0:
+            noise = torch.cat([noise[:, :1] * self.noise_scale, noise[:, 1:]], dim=1)
         features = self.policy.features(batch)
         context = features.repeat_interleave(N, dim=0)
         chunks = self.policy.predict_action_chunk(batch, noise=noise.flatten(0, 1), context=context).reshape(B, N, cfg.chunk_size, cfg.action_dim)
@@ -160,8 +164,11 @@ class SteeredChunkPolicy(ChunkPolicy):
         return self.policy.predict_action_chunk(batch, noise=noise.reshape(B, cfg.chunk_size, cfg.action_dim), context=features)
 
 
-def batch1_latency_ms(runner: ChunkPolicy, task: str, *, image_size: int, task_config: dict | None = None, repeats: int = 10) -> float:
-    """Median wall milliseconds of one runner call on a single observation (what a robot waits for each chunk)."""
+def batch1_latency_ms(runners: dict[Any, ChunkPolicy], task: str, *, image_size: int, task_config: dict | None = None,
+                      repeats: int = 20) -> dict[Any, float]:  # fmt: skip
+    """Median wall milliseconds of one call of each runner on a single observation (what a robot waits for each
+    chunk), by the runners' keys. The runners' calls alternate, so that other work on the machine slows each alike
+    and their ratio holds even when the absolute figures do not."""
     import time
 
     vector = make_vector(task, 1, num_workers=0, image_size=image_size, config=task_config)
@@ -170,13 +177,13 @@ def batch1_latency_ms(runner: ChunkPolicy, task: str, *, image_size: int, task_c
     finally:
         vector.close()
     batch = {k: (v.copy() if isinstance(v, np.ndarray) else list(v)) for k, v in obs.items()}  # already a batch of 1
-    runner(batch)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner(batch)
-        times.append(1000 * (time.perf_counter() - start))
-    return float(np.median(times))
+    times: dict[Any, list[float]] = {key: [] for key in runners}
+    for _ in range(repeats + 1):  # the first round warms up
+        for key, runner in runners.items():
+            start = time.perf_counter()
+            runner(batch)
+            times[key].append(1000 * (time.perf_counter() - start))
+    return {key: float(np.median(t[1:])) for key, t in times.items()}
 
 
 @dataclass

@@ -178,17 +178,20 @@ class PARL(RLMethod):
         cfg, n = self.cfg, self.options.eval_samples
         if not n:
             return []
-        runner = SelectChunkPolicy(policy, self.critic, num_samples=n, refine_steps=self.options.refine_steps, step_size=self.options.refine_step_size)
+        def runner_at(samples: int) -> SelectChunkPolicy:  # its first candidate is the chunk the N = 1 evaluation executes
+            return SelectChunkPolicy(policy, self.critic, num_samples=samples, refine_steps=self.options.refine_steps,
+                                     step_size=self.options.refine_step_size, noise_scale=cfg.eval.noise_scale)  # fmt: skip
+
+        runner = runner_at(n)
         with progress.phase(f"value-guided selection at N={n} (episodes)", cfg.eval.episodes, kind="eval"):
             result, _ = evaluate(
                 policy, cfg.task, episodes=cfg.eval.episodes, num_envs=cfg.num_envs, num_workers=cfg.workers,
                 image_size=cfg.policy.image_size, task_config=cfg.task_config or None, seed=cfg.seed * 10_000,
                 on_episode=lambda ep: progress.advance(), runner=runner,
             )  # fmt: skip
-        latency = batch1_latency_ms(runner, cfg.task, image_size=cfg.policy.image_size, task_config=cfg.task_config or None)
-        plain = batch1_latency_ms(SelectChunkPolicy(policy, self.critic, num_samples=1), cfg.task, image_size=cfg.policy.image_size, task_config=cfg.task_config or None)
-        return [{"kind": "selection_eval", "stage": "final", "num_samples": n, "latency_ms": round(latency, 2),
-                 "latency_ms_n1": round(plain, 2), **result.as_dict(prefix="train/")}]  # fmt: skip
+        latency = batch1_latency_ms({n: runner, 1: runner_at(1)}, cfg.task, image_size=cfg.policy.image_size, task_config=cfg.task_config or None)
+        return [{"kind": "selection_eval", "stage": "final", "num_samples": n, "latency_ms": round(latency[n], 2),
+                 "latency_ms_n1": round(latency[1], 2), **result.as_dict(prefix="train/")}]  # fmt: skip
 
     def state_dict(self) -> dict:
         return {"critic": self.critic.state_dict(), "target": self.target.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -200,11 +203,11 @@ class PARL(RLMethod):
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def selection_runner(policy: Any, state: dict, *, num_samples: int) -> SelectChunkPolicy:
+def selection_runner(policy: Any, state: dict, *, num_samples: int, noise_scale: float = 1.0) -> SelectChunkPolicy:
     """`kinema eval --select N`: value-guided selection with the chunk critic a pa_rl checkpoint saved."""
     critic = ChunkQ(policy.config.hidden_dim, state["shape"]["horizon"], state["shape"]["action_dim"])
     critic.load_state_dict(state["critic"])
-    return SelectChunkPolicy(policy, critic.eval(), num_samples=num_samples)
+    return SelectChunkPolicy(policy, critic.eval(), num_samples=num_samples, noise_scale=noise_scale)
 
 
 def distil_loss(selected: Tensor):
