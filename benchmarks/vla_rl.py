@@ -572,7 +572,7 @@ def _planned_eval(run: Path, checkpoint: str, candidates: int) -> dict:
     policy = load_policy(run / "checkpoints" / checkpoint)
     res, _ = evaluate(policy, cfg["task"], episodes=cfg["eval"]["episodes"], split="train", num_envs=cfg["num_envs"],
                       num_workers=cfg["workers"], image_size=cfg["policy"]["image_size"], task_config=cfg.get("task_config") or None,
-                      seed=cfg["seed"] * 10_000, runner=SelectChunkPolicy(policy, None, num_samples=candidates))  # fmt: skip
+                      seed=cfg["seed"], runner=SelectChunkPolicy(policy, None, num_samples=candidates))  # fmt: skip
     return res.as_dict(prefix="train/")
 
 

@@ -146,7 +146,7 @@ def test_pa_rl_trains_its_critic_reports_calibration_and_selection_and_kinema_ev
 
 @pytest.mark.slow
 def test_dsrl_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_steers_with_it(tmp_path: Path):
-    run = train_tiny(tmp_path, "--rl.method", "dsrl", "--rl.dsrl.sac_steps", "5")
+    run = train_tiny(tmp_path, "--rl.method", "dsrl", "--rl.dsrl.sac_steps", "5", "--seed", "2")
     sft = torch.load(run / "checkpoints" / "sft" / "trainer.pt", weights_only=False)["online"]
     after = torch.load(run / "checkpoints" / "round-001" / "trainer.pt", weights_only=False)["online"]
     assert all(torch.equal(sft[k], after[k]) for k in sft)
@@ -155,11 +155,15 @@ def test_dsrl_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_steers_with_i
     saved = torch.load(run / "checkpoints" / "final" / "method.pt", weights_only=False)
     assert saved["name"] == "dsrl" and "agent" in saved["state"] and "transitions" not in saved["state"]  # eval needs no replay
     out = tmp_path / "eval"
-    args = ["eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer", "--episodes", "1", "--splits", "train",
-            "--workers", "0", "--videos", "0", "--task-config", '{"horizon": 100}', "--out", str(out)]  # fmt: skip
+    args = ["eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer", "--episodes", "2", "--splits", "train",
+            "--workers", "0", "--videos", "0", "--task-config", '{"horizon": 100}', "--out", str(out), "--seed", "2"]  # fmt: skip
     done = kinema(*args)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "DSRL noise actor" in json.loads((out / "eval.json").read_text())["acting"]
+    report = json.loads((out / "eval.json").read_text())
+    assert "DSRL noise actor" in report["acting"]
+    # --seed 2: the episodes of the run's own final evaluation (seed 2), acted the same way: the same outcomes.
+    final = next(r for r in reversed(records(run)) if r["kind"] == "eval" and r["stage"] == "final")
+    assert report["results"]["train"]["seeds"] == final["train/seeds"] and report["results"]["train"]["outcomes"] == final["train/outcomes"]
     refused = kinema(*args, "--select", "2")
     assert refused.returncode != 0 and "--select needs a value for the chunks" in refused.stderr
     refused = kinema(*args, "--noise-scale", "0")  # its actor chooses the noise

@@ -69,7 +69,7 @@ def eval_command(args: argparse.Namespace) -> int:
         for split in splits:
             try:
                 res, _ = evaluate(
-                    policy, args.task, episodes=args.episodes, split=split, num_workers=args.workers,
+                    policy, args.task, episodes=args.episodes, split=split, num_workers=args.workers, seed=args.seed,
                     image_size=policy.config.image_size, task_config=task_config, runner=runner.make(),
                 )  # fmt: skip
             except SplitNotApplicable:

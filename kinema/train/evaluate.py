@@ -14,6 +14,7 @@ from diffusion_rl.data import Episode, ExecutedBy
 from sim.rollout import collect, make_vector
 
 EVAL_SEED_OFFSET = 1_000_000  # evaluation seeds never overlap training/demo seeds
+RUN_SEED_STRIDE = 10_000  # a run of seed s evaluates on EVAL_SEED_OFFSET + s·RUN_SEED_STRIDE + [0, episodes)
 
 
 class ChunkPolicy:
@@ -274,8 +275,9 @@ def evaluate(
     runner: ChunkPolicy | None = None,
 ) -> tuple[EvalResult, list[Episode]]:
     """Roll the policy out on held-out seeds. `split`: "train" (training templates and objects),
-    "heldout_instructions" (paraphrases) or "heldout_objects" (held-out object/colour combinations). `runner`:
-    what acts instead of `ChunkPolicy(policy)` (critic-selected or steered chunks)."""
+    "heldout_instructions" (paraphrases) or "heldout_objects" (held-out object/colour combinations). `seed`: the
+    run's seed (runs of one seed share their evaluation episodes: paired). `runner`: what acts instead of
+    `ChunkPolicy(policy)` (critic-selected or steered chunks)."""
     if split not in SPLITS:
         raise ValueError(f"unknown evaluation split {split!r}; valid: {sorted(SPLITS)}")
     num_envs = max(1, min(num_envs, episodes))
@@ -283,7 +285,8 @@ def evaluate(
         task, num_envs, num_workers=min(num_workers, num_envs), image_size=image_size, config=task_config, **SPLITS[split]
     )
     try:
-        seeds = range(EVAL_SEED_OFFSET + seed, EVAL_SEED_OFFSET + seed + episodes)
+        first = EVAL_SEED_OFFSET + seed * RUN_SEED_STRIDE
+        seeds = range(first, first + episodes)
         eps = collect(vector, runner or ChunkPolicy(policy), seeds, task_id=task, policy_version="eval", record_privileged=False, on_episode=on_episode)
     finally:
         vector.close()

@@ -113,7 +113,7 @@ def evaluate_all(
             with progress.phase(f"{label}: {SPLIT_NAMES[split]} (episodes)", episodes, kind="eval"):
                 out[split], _ = evaluate(
                     policy, cfg.task, episodes=episodes, split=split, num_envs=cfg.num_envs, num_workers=cfg.workers,
-                    image_size=cfg.policy.image_size, task_config=cfg.task_config or None, seed=cfg.seed * 10_000,
+                    image_size=cfg.policy.image_size, task_config=cfg.task_config or None, seed=cfg.seed,
                     on_episode=lambda ep: progress.advance(),
                     runner=runner(policy) if runner else ChunkPolicy(policy, noise_scale=cfg.eval.noise_scale),
                 )  # fmt: skip

@@ -186,7 +186,7 @@ class PARL(RLMethod):
         with progress.phase(f"value-guided selection at N={n} (episodes)", cfg.eval.episodes, kind="eval"):
             result, _ = evaluate(
                 policy, cfg.task, episodes=cfg.eval.episodes, num_envs=cfg.num_envs, num_workers=cfg.workers,
-                image_size=cfg.policy.image_size, task_config=cfg.task_config or None, seed=cfg.seed * 10_000,
+                image_size=cfg.policy.image_size, task_config=cfg.task_config or None, seed=cfg.seed,
                 on_episode=lambda ep: progress.advance(), runner=runner,
             )  # fmt: skip
         latency = batch1_latency_ms({n: runner, 1: runner_at(1)}, cfg.task, image_size=cfg.policy.image_size, task_config=cfg.task_config or None)
