@@ -26,7 +26,8 @@ then branches from that same checkpoint and the same demonstrations, through the
                    beside the demos at weight 1, aggregated over rounds
 
 `pa_rl_selection` in the JSON is the pa_rl arm's policy with value-guided selection at N = 8 at inference (V-GPS),
-with its batch-1 `latency_ms` beside that of N = 1.
+with its batch-1 `latency_ms` beside that of N = 1 (measured interleaved). Its first candidate is the chunk the arm
+executes at N = 1 (from zero noise under `--eval.noise_scale 0`), the other seven sampled.
 
 Demonstration regimes (--demos): `scripted` (the clean scripted expert) and `teleop` (a simulated teleoperator:
 slower, with pauses, hesitation and detours), each with its own SFTs and arms; the first regime's figures are the
