@@ -37,7 +37,9 @@ Last line: one JSON object, one entry per method with success, heldout_success, 
 gain_over_sft (success points over SFT), each success with its standard error; `per_task.<task>` has per arm
 success, heldout_success, steps_to_success, cpu_minutes and demos_steps_ratio (the demonstrations' steps to success
 over the arm's: above 1, faster than its demonstrator), the demonstrations' own (`demos`), and
-best_rl_margin_over_control (the best RL arm's success minus sft_continued's, the arm in best_rl_arm);
+best_rl_margin_over_control (the best RL arm's success minus sft_continued's, the arm in best_rl_arm), and
+eval_noise_scale (the initial noise every row was evaluated from: a reused SFT evaluated at another is evaluated
+again at the arms' on the same episodes, once; arms of one task and seed at different scales are refused);
 `_meta.task_run_minutes` is the wall time each task's runs took, summed (whether they ran at once or in turn), and
 `_meta.cpu_minutes_per_run` the CPU minutes per run of each arm (env workers included; unlike wall time, not
 inflated by runs sharing the CPU), with `sft_then_habc`: the compute HABC needs for a task from nothing.
@@ -278,6 +280,48 @@ def final_eval(run: Path, stage: str) -> dict:
     return next(r for r in reversed(_records(run)) if r.get("kind") == "eval" and r.get("stage") == stage)
 
 
+def _noise_scale(run: Path) -> float:
+    return float((_run_config(run).get("eval") or {}).get("noise_scale", 1.0))
+
+
+def _arms_noise_scale(runs: list[Path]) -> float:
+    """The `eval.noise_scale` the arms of one task and seed were evaluated at (one for all, or the rows compare
+    different samplers)."""
+    scales = {run.name: _noise_scale(run) for run in runs}
+    if len(set(scales.values())) > 1:
+        raise ValueError(f"the arms under {runs[0].parent} were evaluated at different eval.noise_scale {scales}; "
+                         "train them again at one (set them aside, or use another --out)")  # fmt: skip
+    return next(iter(scales.values()), 1.0)
+
+
+def start_eval(run: Path, stage: str, noise_scale: float) -> dict:
+    """The start's evaluation record at the arms' `eval.noise_scale`: its own when it was evaluated at that scale,
+    else its checkpoint evaluated again on the same episodes and splits from that scale (a reused SFT of an earlier
+    benchmark), kept in the run as eval-<stage>-noise<S>.json so that it is done once."""
+    record = final_eval(run, stage)
+    if _noise_scale(run) == noise_scale:
+        return record
+    kept = run / f"eval-{stage}-noise{noise_scale:g}.json"
+    if kept.exists():
+        return json.loads(kept.read_text())
+    from kinema.train.evaluate import SPLITS, ChunkPolicy, evaluate
+    from policies import load_policy
+
+    cfg = _run_config(run)
+    policy = load_policy(run / "checkpoints" / stage)
+    again = {"kind": "eval", "stage": stage, "noise_scale": noise_scale}
+    print(f"evaluating {run}/checkpoints/{stage} again from the arms' initial noise × {noise_scale:g}", flush=True)
+    for split in [s for s in SPLITS if f"{s}/success" in record]:
+        res, _ = evaluate(policy, cfg["task"], episodes=record[f"{split}/episodes"], split=split, num_envs=cfg["num_envs"],
+                          num_workers=cfg["workers"], image_size=cfg["policy"]["image_size"], task_config=cfg.get("task_config") or None,
+                          seed=cfg["seed"], runner=ChunkPolicy(policy, noise_scale=noise_scale))  # fmt: skip
+        again.update(res.as_dict(prefix=f"{split}/"))
+    partial = kept.with_suffix(".partial")
+    partial.write_text(json.dumps(again))
+    partial.replace(kept)  # a kill mid-write leaves no half record to be read as one
+    return again
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one task, the headline arms, tiny budget (about a minute)")
@@ -411,6 +455,7 @@ def regime_summary(
     demo_rows: dict[str, list[dict]] = {}  # task -> the demos record of each seed's start
     run_minutes: dict[str, float] = {}  # task -> the wall minutes its runs took, summed
     cpu_minutes: dict[str, dict[str, float]] = {}  # task -> arm -> CPU minutes per run, mean over seeds
+    noise_scales: dict[str, float] = {}  # task -> the eval.noise_scale every row of it was evaluated at
     for task in tasks:
         def run_of(seed: int, m: str) -> Path:
             return starts[task, seed] if m == "sft" else _task_dir(out, regime, task, seed) / m
@@ -426,7 +471,8 @@ def regime_summary(
         task_rows = per_task_rows[task] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
         for seed in range(seeds):
             demo_rows.setdefault(task, []).append(next((r for r in _records(starts[task, seed]) if r.get("kind") == "demos"), {}))
-            sft = final_eval(starts[task, seed], "final" if from_start else "sft")
+            scale = noise_scales[task] = _arms_noise_scale([_task_dir(out, regime, task, seed) / m for m in methods])
+            sft = start_eval(starts[task, seed], "final" if from_start else "sft", scale)
             for target in (rows, task_rows):
                 _add(target["sft"], sft, sft)
             _add_task(per_task, task, "sft", sft)
@@ -502,6 +548,7 @@ def regime_summary(
                                                               "se": round(float(diffs.std(ddof=1) / math.sqrt(len(diffs))), 4)}
     summary["per_task"] = {task: task_entry(per_task_rows[task], demo_rows[task], cpu_minutes.get(task, {})) for task in tasks}
     for task, entry in summary["per_task"].items():  # the task's own selection figures beside its arms
+        entry["eval_noise_scale"] = noise_scales[task]
         mine = [r for t, r in picks if t == task] if "pa_rl" in methods else []
         if mine:
             entry["pa_rl_selection"] = {"success": _mean([r["train/success"] for r in mine]),

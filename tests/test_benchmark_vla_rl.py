@@ -58,6 +58,18 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     assert {"sft-interrupted", "sft_continued-interrupted", "awr-interrupted-2"} <= {p.name for p in runs.iterdir()}
     assert all(json.loads((runs / m / "state.json").read_text()).get("final_done") for m in ("sft_continued", "awr"))
 
+    # An arm evaluated from zero noise beside the reused SFT (evaluated from sampled noise): the SFT row is that
+    # checkpoint evaluated again from zero noise on the same episodes, once; arms at two scales are refused.
+    fourth = bench(out, "--methods", "habc", "--eval.noise_scale", "0")
+    kept = json.loads((runs / "sft" / "eval-sft-noise0.json").read_text())
+    sft_record = next(json.loads(line) for line in (runs / "sft" / "metrics.jsonl").read_text().splitlines() if '"stage": "sft"' in line and '"eval"' in line)
+    assert fourth["_meta"]["runs_trained"] == 1 and fourth["per_task"]["drawer"]["eval_noise_scale"] == 0.0
+    assert kept["noise_scale"] == 0.0 and kept["train/seeds"] == sft_record["train/seeds"]
+    assert fourth["sft"]["success"] == kept["train/success"]
+    mixed = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(out), *TINIER, "--methods", "sft_continued,habc"],
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert mixed.returncode != 0 and "different eval.noise_scale" in mixed.stderr
+
     # --start: the arms branch from the control's final checkpoint, whose final evaluation is the `sft` row and whose
     # CPU minutes, with its SFT's, are the start's budget.
     staged = bench(tmp_path / "staged", "--methods", "awr", "--start", str(runs.parent / "{task}-s{seed}" / "sft_continued"))
