@@ -85,8 +85,8 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--task", required=True, help="task name (see `kinema sim list`)")
     ev.add_argument("--episodes", type=int, default=100, help="episodes per split, on held-out seeds")
     ev.add_argument("--seed", type=int, default=0,
-                    help="evaluation episodes of a `kinema train --seed S` run: the same episodes as its evaluations "
-                    "(paired with them and with every other run of that seed)")
+                    help="the evaluation episodes of a `kinema train` run of this seed: the same episodes as its "
+                    "evaluations (paired with them and with every other run of that seed)")
     ev.add_argument("--splits", default="train,heldout_instructions,heldout_objects", help="comma-separated")
     ev.add_argument("--out", default=None, help="report folder (default: <checkpoint>/eval-<task>)")
     ev.add_argument("--workers", type=int, default=2, help="env worker processes")
