@@ -87,7 +87,7 @@ from kinema.common import load_run_config
 from kinema.train.config import TrainConfig
 from kinema.train.evaluate import paired_outcome_differences
 from kinema.train.workflow import train
-from policies.checkpoint import set_aside
+from policies.checkpoint import set_aside, write_text_atomic
 
 METHODS: dict[str, list[str]] = {
     "sft_continued": ["--rl.method", "sft_continued"],
@@ -316,9 +316,7 @@ def start_eval(run: Path, stage: str, noise_scale: float) -> dict:
                           num_workers=cfg["workers"], image_size=cfg["policy"]["image_size"], task_config=cfg.get("task_config") or None,
                           seed=cfg["seed"], runner=ChunkPolicy(policy, noise_scale=noise_scale))  # fmt: skip
         again.update(res.as_dict(prefix=f"{split}/"))
-    partial = kept.with_suffix(".partial")
-    partial.write_text(json.dumps(again))
-    partial.replace(kept)  # a kill mid-write leaves no half record to be read as one
+    write_text_atomic(kept, json.dumps(again))  # a kill mid-write leaves no half record to be read as one
     return again
 
 
