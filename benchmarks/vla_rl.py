@@ -531,6 +531,7 @@ def regime_summary(
         if picks:
             summary["pa_rl_selection"] = {
                 "num_samples": picks[0][1]["num_samples"],
+                "margin": picks[0][1].get("margin", 0.0),  # rl.pa_rl.eval_margin (0: V-GPS's argmax)
                 "success": _mean([r["train/success"] for _, r in picks]),
                 "success_se": _pooled_se([(r["train/success"], r["train/episodes"]) for _, r in picks]),
                 "latency_ms": round(float(np.mean([r["latency_ms"] for _, r in picks])), 2),

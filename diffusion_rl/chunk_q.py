@@ -161,14 +161,20 @@ def refine_chunks(
 
 
 @torch.no_grad()
-def select_chunks(q: ChunkQ, features: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def select_chunks(q: ChunkQ, features: Tensor, candidates: Tensor, *, margin: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """The candidate with the highest Q per row: features (B, F), candidates (B, N, H, A) (Q reads the first
-    q.horizon actions, the executed part). Returns (chosen (B, H, A), index (B,), values (B, N))."""
+    q.horizon actions, the executed part). Returns (chosen (B, H, A), index (B,), values (B, N)).
+    With `margin` > 0 (ours, not V-GPS's), candidate 0 is kept unless the best is valued more than `margin` above it:
+    trust the policy's own chunk where the critic's preference is within its error."""
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0; got {margin}")
     B, N = candidates.shape[:2]
     h = q.horizon
     if candidates.shape[2] < h:
         raise ValueError(f"candidates hold {candidates.shape[2]} actions; the critic scores the first {h}")
     f = features[:, None].expand(B, N, features.shape[-1]).reshape(B * N, -1)
     values = q(f, candidates[:, :, :h].reshape(B * N, h, -1)).reshape(B, N)
-    index = values.argmax(1)
+    best, index = values.max(1)
+    if margin > 0:
+        index = torch.where(best - values[:, 0] > margin, index, torch.zeros_like(index))
     return candidates[torch.arange(B), index], index, values

@@ -98,6 +98,9 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
                     "sampled chunks per decision, the one valued most executed; valued by a pa_rl checkpoint's chunk critic "
                     "(its method.pt) or by the policy's own prediction (policy.type video's planning); 1: off; default: "
                     "a video policy's planning_candidates")
+    ev.add_argument("--select-margin", type=float, default=0.0, metavar="M",
+                    help="with a pa_rl checkpoint's critic: keep the policy's own chunk unless another is valued more "
+                    "than M above it (Q is a discounted success probability in [0, 1]; 0: the plain argmax)")
     ev.add_argument("--noise-scale", type=float, default=1.0, metavar="S",
                     help="the flow sampler's initial noise times S for the policy alone (1: sampled; 0: zero noise, "
                     "deterministic and mode-seeking); compare checkpoints at the same S")

@@ -149,6 +149,21 @@ def test_selection_picks_the_argmax_of_the_critic(critic):
     assert (after >= before - 1e-4).all() and after.mean() > before.mean() and refined.abs().max() <= 1
 
 
+def test_a_selection_margin_keeps_the_first_candidate_unless_another_is_valued_that_much_higher(critic):
+    g = torch.Generator().manual_seed(3)
+    candidates = toy.sample_data(64 * 8, generator=g).reshape(64, 8, 1, 1)
+    _, argmax, values = select_chunks(critic, torch.zeros(64, 1), candidates)
+    gap = values.max(1).values - values[:, 0]
+    margin = float(gap.median())  # half the rows switch, half keep candidate 0
+    chosen, index, _ = select_chunks(critic, torch.zeros(64, 1), candidates, margin=margin)
+    switch = gap > margin
+    assert 0 < int(switch.sum()) < 64
+    assert torch.equal(index[switch], argmax[switch]) and (index[~switch] == 0).all()
+    assert torch.equal(chosen, candidates[torch.arange(64), index])
+    with pytest.raises(ValueError, match="margin must be >= 0"):
+        select_chunks(critic, torch.zeros(64, 1), candidates, margin=-0.1)
+
+
 def test_pa_rl_distillation_moves_the_toy_policy_to_the_selected_mode(critic):
     """Sample 8 chunks per state from the flow policy, keep the critic's argmax, distil it with the flow loss: the
     high-reward mode's mass goes from ≈ 50 % to over 85 %."""

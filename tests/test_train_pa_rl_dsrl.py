@@ -120,7 +120,7 @@ def records(run: Path) -> list[dict]:
 @pytest.mark.slow
 def test_pa_rl_trains_its_critic_reports_calibration_and_selection_and_kinema_eval_selects(tmp_path: Path):
     run = train_tiny(tmp_path, "--rl.method", "pa_rl", "--rl.pa_rl.num_samples", "3", "--rl.pa_rl.critic_steps", "5",
-                     "--rl.pa_rl.demo_episodes", "2", "--rl.pa_rl.eval_samples", "3", "--rl.interventions", "false")  # fmt: skip
+                     "--rl.pa_rl.demo_episodes", "2", "--rl.pa_rl.eval_samples", "3", "--rl.pa_rl.eval_margin", "0.01", "--rl.interventions", "false")  # fmt: skip
     rec = records(run)
     round_ = next(r for r in rec if r["kind"] == "round")
     # Calibration on the fresh rollouts before the critic trains on them, beside the success model's.
@@ -129,16 +129,16 @@ def test_pa_rl_trains_its_critic_reports_calibration_and_selection_and_kinema_ev
     lengths = [len(ep) for ep in read_episodes(run / "rollouts" / "round-001")]
     assert round_["pa_rl/selected_chunks"] == sum(-(-T // 4) for T in lengths)
     selection = next(r for r in rec if r["kind"] == "selection_eval")
-    assert selection["num_samples"] == 3 and selection["latency_ms"] > 0 and selection["train/episodes"] == 2
+    assert selection["num_samples"] == 3 and selection["margin"] == 0.01 and selection["latency_ms"] > 0 and selection["train/episodes"] == 2
     saved = torch.load(run / "checkpoints" / "final" / "method.pt", weights_only=False)
     assert saved["name"] == "pa_rl" and "critic" in saved["state"]
     out = tmp_path / "eval"
     done = kinema("eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer", "--episodes", "1", "--splits", "train",
-                  "--workers", "0", "--videos", "0", "--select", "3", "--noise-scale", "0", "--task-config", '{"horizon": 100}', "--out", str(out))  # fmt: skip
+                  "--workers", "0", "--videos", "0", "--select", "3", "--select-margin", "0.02", "--noise-scale", "0", "--task-config", '{"horizon": 100}', "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
     # The policy alone and best-of-3 by the critic, each its own column on the same seeds, with batch-1 latencies.
-    assert report["select"] == 3 and "pa_rl checkpoint's chunk critic" in report["selection"]
+    assert report["select"] == 3 and "pa_rl checkpoint's chunk critic" in report["selection"] and "valued 0.02 higher" in report["selection"]
     assert report["acting"] == "policy, initial noise scaled by 0"  # the plain column from zero noise
     assert report["results"]["train"]["episodes"] == report["selection_results"]["train"]["episodes"] == 1
     assert set(report["latency_ms"]) == {"1", "3"} and report["latency_ms"]["3"] > 0
@@ -166,5 +166,7 @@ def test_dsrl_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_steers_with_i
     assert report["results"]["train"]["seeds"] == final["train/seeds"] and report["results"]["train"]["outcomes"] == final["train/outcomes"]
     refused = kinema(*args, "--select", "2")
     assert refused.returncode != 0 and "--select needs a value for the chunks" in refused.stderr
+    refused = kinema(*args, "--select", "2", "--select-margin", "0.1")  # a margin needs a pa_rl critic
+    assert refused.returncode != 0 and "--select-margin applies to --select N > 1 with a pa_rl checkpoint" in refused.stderr
     refused = kinema(*args, "--noise-scale", "0")  # its actor chooses the noise
     assert refused.returncode != 0 and "acts with the noise its DSRL actor chooses" in refused.stderr

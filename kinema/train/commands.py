@@ -54,7 +54,7 @@ def eval_command(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
     if args.video_predictions and not hasattr(policy, "predicted_future_images"):
         raise ValueError(f"--video-predictions needs a policy that predicts future frames (policy.type video); {args.policy} is a {type(policy).__name__}")
-    acting, select = _runners(policy, saved, args.select, args.policy, args.noise_scale)
+    acting, select = _runners(policy, saved, args.select, args.policy, args.noise_scale, args.select_margin)
     seen = policy.config.extra.get("tasks", [])
     if seen and args.task not in seen:
         console.print(f"[yellow]note: this checkpoint was trained on {seen}, not on {args.task!r}: evaluating anyway")
@@ -137,11 +137,19 @@ class _Acting:
     num_samples: int = 1
 
 
-def _runners(policy: Any, saved: dict | None, select: int | None, checkpoint: str, noise_scale: float = 1.0) -> tuple[_Acting, _Acting | None]:
+def _runners(policy: Any, saved: dict | None, select: int | None, checkpoint: str, noise_scale: float = 1.0,
+             margin: float = 0.0) -> tuple[_Acting, _Acting | None]:  # fmt: skip
     """The policy as it acts alone (the DSRL noise actor steering it for a dsrl checkpoint; a policy that plans,
     at N = 1), and best-of-N by value when asked (`--select N`) or when the checkpoint plans by default: valued by
-    the chunk critic of a pa_rl checkpoint (V-GPS), else by the policy's own prediction (the video policy)."""
+    the chunk critic of a pa_rl checkpoint (V-GPS; `margin` keeps the policy's own chunk unless another is valued
+    that much higher), else by the policy's own prediction (the video policy)."""
     from kinema.train.evaluate import ChunkPolicy, SelectChunkPolicy
+
+    if margin < 0:
+        raise ValueError(f"--select-margin must be >= 0; got {margin}")
+    if margin and (select is None or select <= 1 or saved is None or saved["name"] != "pa_rl"):
+        raise ValueError(f"--select-margin applies to --select N > 1 with a pa_rl checkpoint's chunk critic; {checkpoint} "
+                         f"has {'no method.pt' if saved is None else repr(saved['name'])} and --select is {select}")
 
     plans = hasattr(policy, "plan")
     if noise_scale != 1.0 and (plans or (saved is not None and saved["name"] == "dsrl")):
@@ -162,8 +170,9 @@ def _runners(policy: Any, saved: dict | None, select: int | None, checkpoint: st
     if saved is not None and saved["name"] == "pa_rl":
         from kinema.train.methods.pa_rl import selection_runner
 
-        return acting, _Acting(lambda: selection_runner(policy, saved["state"], num_samples=n, noise_scale=noise_scale),
-                               f"best of {n} sampled chunks by the pa_rl checkpoint's chunk critic", n)  # fmt: skip
+        kept = f", the policy's own kept unless another is valued {margin:g} higher" if margin else ""
+        return acting, _Acting(lambda: selection_runner(policy, saved["state"], num_samples=n, noise_scale=noise_scale, margin=margin),
+                               f"best of {n} sampled chunks by the pa_rl checkpoint's chunk critic{kept}", n)  # fmt: skip
     if plans:
         return acting, _Acting(lambda: SelectChunkPolicy(policy, None, num_samples=n), f"best of {n} sampled chunks by the policy's predicted value", n)
     found = "no method.pt" if saved is None else f"the method.pt of {saved['name']!r}"

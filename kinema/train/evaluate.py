@@ -108,17 +108,21 @@ class SelectChunkPolicy(ChunkPolicy):
     The first candidate is the chunk `ChunkPolicy(policy, noise_scale=...)` would execute, so N = 1 is the policy as
     it acts alone; the other N − 1 start from sampled noise (at `noise_scale` 0 they add the policy's spread around
     its deterministic chunk). With `record`, every executed chunk (the whole chunk_size) is kept by (episode, step):
-    `chunk_records()`, what PA-RL distils."""
+    `chunk_records()`, what PA-RL distils. `margin` > 0 keeps the first candidate unless the critic values another
+    more than `margin` above it (`select_chunks`)."""
 
     def __init__(self, policy: Any, critic: Any | None, *, num_samples: int, refine_steps: int = 0, step_size: float = 0.0,
-                 record: bool = False, noise_scale: float = 1.0) -> None:  # fmt: skip
+                 record: bool = False, noise_scale: float = 1.0, margin: float = 0.0) -> None:  # fmt: skip
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1; got {num_samples}")
         if critic is None and not hasattr(policy, "plan"):
             raise ValueError(f"best-of-N needs a value: a chunk critic, or a policy that predicts its chunks' values "
                              f"(policy.type video); {type(policy).__name__} predicts none")  # fmt: skip
+        if margin and critic is None:
+            raise ValueError("a selection margin applies to a chunk critic's values; this selection is by the policy's own plan")
         super().__init__(policy, noise_scale=noise_scale)
         self.critic, self.num_samples, self.refine_steps, self.step_size, self.record = critic, num_samples, refine_steps, step_size, record
+        self.margin = margin
 
     def sample(self, batch: dict[str, Any]) -> torch.Tensor:
         from diffusion_rl.chunk_q import refine_chunks, select_chunks
@@ -138,7 +142,7 @@ class SelectChunkPolicy(ChunkPolicy):
         chunks = self.policy.predict_action_chunk(batch, noise=noise.flatten(0, 1), context=context).reshape(B, N, cfg.chunk_size, cfg.action_dim)
         self.critic.eval()
         chunks = refine_chunks(self.critic, features, chunks, steps=self.refine_steps, step_size=self.step_size)
-        chosen, index, _ = select_chunks(self.critic, features, chunks)
+        chosen, index, _ = select_chunks(self.critic, features, chunks, margin=self.margin)
         if self.record:
             self._last = (None, {"chunk": chosen.cpu(), "sample_index": index.cpu()})
         return chosen

@@ -50,6 +50,7 @@ class PARLOptions:
     tau: float = 0.05  # Polyak rate of the target critic
     demo_episodes: int = 48  # demonstration episodes drawn into the critic's data each round (0: rollouts only)
     eval_samples: int = 8  # N of the final value-guided selection evaluation (0: none)
+    eval_margin: float = 0.0  # that selection keeps the policy's own chunk unless another is valued this much higher (0: V-GPS's argmax)
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -57,6 +58,8 @@ class PARLOptions:
         for name in ("refine_steps", "critic_steps", "demo_episodes", "eval_samples"):
             if getattr(self, name) < 0:
                 raise ValueError(f"rl.pa_rl.{name} must be >= 0; got {getattr(self, name)}")
+        if self.eval_margin < 0:
+            raise ValueError(f"rl.pa_rl.eval_margin must be >= 0 (a value difference, Q in [0, 1]); got {self.eval_margin}")
         if not 0 < self.gamma <= 1 or not 0 < self.tau <= 1:
             raise ValueError(f"rl.pa_rl.gamma and rl.pa_rl.tau must be in (0, 1]; got {self.gamma}, {self.tau}")
 
@@ -180,7 +183,8 @@ class PARL(RLMethod):
             return []
         def runner_at(samples: int) -> SelectChunkPolicy:  # its first candidate is the chunk the N = 1 evaluation executes
             return SelectChunkPolicy(policy, self.critic, num_samples=samples, refine_steps=self.options.refine_steps,
-                                     step_size=self.options.refine_step_size, noise_scale=cfg.eval.noise_scale)  # fmt: skip
+                                     step_size=self.options.refine_step_size, noise_scale=cfg.eval.noise_scale,
+                                     margin=self.options.eval_margin)  # fmt: skip
 
         runner = runner_at(n)
         with progress.phase(f"value-guided selection at N={n} (episodes)", cfg.eval.episodes, kind="eval"):
@@ -190,7 +194,7 @@ class PARL(RLMethod):
                 on_episode=lambda ep: progress.advance(), runner=runner,
             )  # fmt: skip
         latency = batch1_latency_ms({n: runner, 1: runner_at(1)}, cfg.task, image_size=cfg.policy.image_size, task_config=cfg.task_config or None)
-        return [{"kind": "selection_eval", "stage": "final", "num_samples": n, "latency_ms": round(latency[n], 2),
+        return [{"kind": "selection_eval", "stage": "final", "num_samples": n, "margin": self.options.eval_margin, "latency_ms": round(latency[n], 2),
                  "latency_ms_n1": round(latency[1], 2), **result.as_dict(prefix="train/")}]  # fmt: skip
 
     def state_dict(self) -> dict:
@@ -203,11 +207,11 @@ class PARL(RLMethod):
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def selection_runner(policy: Any, state: dict, *, num_samples: int, noise_scale: float = 1.0) -> SelectChunkPolicy:
+def selection_runner(policy: Any, state: dict, *, num_samples: int, noise_scale: float = 1.0, margin: float = 0.0) -> SelectChunkPolicy:
     """`kinema eval --select N`: value-guided selection with the chunk critic a pa_rl checkpoint saved."""
     critic = ChunkQ(policy.config.hidden_dim, state["shape"]["horizon"], state["shape"]["action_dim"])
     critic.load_state_dict(state["critic"])
-    return SelectChunkPolicy(policy, critic.eval(), num_samples=num_samples, noise_scale=noise_scale)
+    return SelectChunkPolicy(policy, critic.eval(), num_samples=num_samples, noise_scale=noise_scale, margin=margin)
 
 
 def distil_loss(selected: Tensor):
