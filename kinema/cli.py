@@ -101,9 +101,10 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--select-margin", type=float, default=0.0, metavar="M",
                     help="with a pa_rl checkpoint's critic: keep the policy's own chunk unless another is valued more "
                     "than M above it (Q is a discounted success probability in [0, 1]; 0: the plain argmax)")
-    ev.add_argument("--noise-scale", type=float, default=1.0, metavar="S",
+    ev.add_argument("--noise-scale", type=float, default=None, metavar="S",
                     help="the flow sampler's initial noise times S for the policy alone (1: sampled; 0: zero noise, "
-                    "deterministic and mode-seeking); compare checkpoints at the same S")
+                    "deterministic and mode-seeking); compare checkpoints at the same S. Default: the checkpoint's "
+                    "inference_noise_scale, the eval.noise_scale of the run that wrote it (1 for other checkpoints)")
     ev.add_argument("--video-predictions", action="store_true",
                     help="video policy: write videos/predictions.mp4, its predicted future frames beside the observed ones")
 

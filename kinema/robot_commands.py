@@ -49,6 +49,11 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
         "--policy", required=True,
         help="a VLA checkpoint folder, or scripted:zero | scripted:nan | scripted:replay:task=T:seed=N",
     )
+    deploy.add_argument(
+        "--noise-scale", type=float, default=None, metavar="S",
+        help="a VLA's initial flow noise times S (1: sampled; 0: zero noise, deterministic and mode-seeking); "
+        "default: the checkpoint's inference_noise_scale, the eval.noise_scale its training run evaluated with",
+    )
     deploy.add_argument("--robot", default=DEFAULT_ROBOT, help="robot config YAML, or a shipped name")
     deploy.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: rclpy where ROS 2 is installed, else dds")
     deploy.add_argument("--local", action=argparse.BooleanOptionalAction, default=True, help=LOCAL_HELP)
@@ -167,7 +172,7 @@ def deploy(args: argparse.Namespace) -> int:
     if args.keys and not args.record:
         raise ValueError("--keys marks recorded episodes: it needs --record DIR")
     robot = load_robot_config(args.robot)
-    policy = load_policy(args.policy, control_hz=robot.rates.control_hz)
+    policy = load_policy(args.policy, control_hz=robot.rates.control_hz, noise_scale=args.noise_scale)
     results: list[dict[str, Any]] = []
     with _transport(args, "kinema_policy") as transport:
         node = PolicyNode(transport, robot, policy, instruction=args.instruction)

@@ -79,8 +79,11 @@ def expert_joint_targets(task: str, seed: int) -> tuple[np.ndarray, bool, str]:
         env.close()
 
 
-def load_policy(spec: str, *, control_hz: float = 20.0) -> Any:
-    """A policy from `--policy`: `scripted:<name>[:key=value...]`, or a policy checkpoint folder (any registered type)."""
+def load_policy(spec: str, *, control_hz: float = 20.0, noise_scale: float | None = None) -> Any:
+    """A policy from `--policy`: `scripted:<name>[:key=value...]`, or a policy checkpoint folder (any registered type).
+    `noise_scale` replaces a VLA checkpoint's `inference_noise_scale` (None: keep the one its training run evaluated with)."""
+    if noise_scale is not None and spec.startswith("scripted:"):
+        raise ValueError(f"--noise-scale scales a VLA's initial flow noise; {spec} is a scripted policy")
     if spec.startswith("scripted:"):
         name, *opts = spec[len("scripted:") :].split(":")
         options: dict[str, str] = {}
@@ -119,6 +122,12 @@ def load_policy(spec: str, *, control_hz: float = 20.0) -> Any:
     # slower under contention).
     torch.set_num_threads(1)
     policy = load_policy(path)
+    if noise_scale is not None:
+        if not hasattr(policy.config, "inference_noise_scale"):
+            raise ValueError(f"--noise-scale scales a VLA's initial flow noise; {spec} is a {type(policy).__name__}, which samples its own")
+        if noise_scale < 0:
+            raise ValueError(f"--noise-scale must be >= 0 (1: sampled, 0: zero noise); got {noise_scale}")
+        policy.config.inference_noise_scale = noise_scale
     policy.eval()
     return policy
 

@@ -58,7 +58,8 @@ def acting_policy(spec: str, seed: int = 0) -> Any:
     from kinema.train.evaluate import ChunkPolicy
     from policies import load_policy
 
-    return ChunkPolicy(load_policy(spec))
+    policy = load_policy(spec)  # acting as its run evaluated it: its inference noise scale
+    return ChunkPolicy(policy, noise_scale=getattr(policy.config, "inference_noise_scale", 1.0))
 
 
 def _task_config(text: str) -> dict[str, Any] | None:

@@ -79,3 +79,38 @@ def test_noise_scale_zero_starts_every_chunk_from_zero_noise_and_one_is_the_samp
         ChunkPolicy(policy, noise_scale=-1.0)
     with pytest.raises(ValueError, match="eval.noise_scale scales the VLA's initial flow noise"):
         TrainConfig(policy=PolicyOptions(type="video"), eval=EvalConfig(noise_scale=0.0))
+
+
+def test_a_checkpoints_inference_noise_scale_is_how_it_acts_alone_and_deploy_can_replace_it(tmp_path):
+    """`VLAConfig.inference_noise_scale` (what `kinema train` writes from eval.noise_scale) scales the noise
+    predict_action_chunk draws for itself (deploy, select_action); runners pass their own noise and ignore it."""
+    import json
+
+    from test_train_pa_rl_dsrl import act, obs
+
+    from kinema.robot_policies import load_policy
+    from kinema.train.evaluate import ChunkPolicy
+
+    policy = tiny_policy().eval()
+    batch = obs(2)
+    tensors = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in batch.items()}
+    sampled = act(ChunkPolicy(policy), batch, [5, 6])
+    policy.config.inference_noise_scale = 0.0
+    zero = policy.predict_action_chunk(tensors, noise=torch.zeros(2, policy.config.chunk_size, 7))
+    torch.testing.assert_close(policy.predict_action_chunk(tensors), zero)  # deterministic: the zero-noise chunk
+    np.testing.assert_array_equal(act(ChunkPolicy(policy), batch, [5, 6]), sampled)  # evaluations unaffected
+    policy.save_pretrained(str(tmp_path / "ckpt"))
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["inference_noise_scale"] == 0.0
+    assert load_policy(str(tmp_path / "ckpt")).config.inference_noise_scale == 0.0
+    deployed = load_policy(str(tmp_path / "ckpt"), noise_scale=1.0)
+    assert deployed.config.inference_noise_scale == 1.0
+    assert not torch.allclose(deployed.predict_action_chunk(tensors), zero)
+    with pytest.raises(ValueError, match="--noise-scale must be >= 0"):
+        load_policy(str(tmp_path / "ckpt"), noise_scale=-0.5)
+    with pytest.raises(ValueError, match="scripted:zero is a scripted policy"):
+        load_policy("scripted:zero", noise_scale=0.0)
+    # A checkpoint written before the field existed samples, as it always did.
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del config["inference_noise_scale"]
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    assert load_policy(str(tmp_path / "ckpt")).config.inference_noise_scale == 1.0

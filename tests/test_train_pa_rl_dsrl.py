@@ -120,7 +120,7 @@ def records(run: Path) -> list[dict]:
 @pytest.mark.slow
 def test_pa_rl_trains_its_critic_reports_calibration_and_selection_and_kinema_eval_selects(tmp_path: Path):
     run = train_tiny(tmp_path, "--rl.method", "pa_rl", "--rl.pa_rl.num_samples", "3", "--rl.pa_rl.critic_steps", "5",
-                     "--rl.pa_rl.demo_episodes", "2", "--rl.pa_rl.eval_samples", "3", "--rl.pa_rl.eval_margin", "0.01", "--rl.interventions", "false")  # fmt: skip
+                     "--rl.pa_rl.demo_episodes", "2", "--rl.pa_rl.eval_samples", "3", "--rl.pa_rl.eval_margin", "0.01", "--rl.interventions", "false", "--eval.noise_scale", "0")  # fmt: skip
     rec = records(run)
     round_ = next(r for r in rec if r["kind"] == "round")
     # Calibration on the fresh rollouts before the critic trains on them, beside the success model's.
@@ -134,12 +134,13 @@ def test_pa_rl_trains_its_critic_reports_calibration_and_selection_and_kinema_ev
     assert saved["name"] == "pa_rl" and "critic" in saved["state"]
     out = tmp_path / "eval"
     done = kinema("eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer", "--episodes", "1", "--splits", "train",
-                  "--workers", "0", "--videos", "0", "--select", "3", "--select-margin", "0.02", "--noise-scale", "0", "--task-config", '{"horizon": 100}', "--out", str(out))  # fmt: skip
+                  "--workers", "0", "--videos", "0", "--select", "3", "--select-margin", "0.02", "--task-config", '{"horizon": 100}', "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
     # The policy alone and best-of-3 by the critic, each its own column on the same seeds, with batch-1 latencies.
     assert report["select"] == 3 and "pa_rl checkpoint's chunk critic" in report["selection"] and "valued 0.02 higher" in report["selection"]
-    assert report["acting"] == "policy, initial noise scaled by 0"  # the plain column from zero noise
+    # The plain column from zero noise: the run's eval.noise_scale, which its checkpoint keeps for eval and deploy.
+    assert report["acting"] == "policy, initial noise scaled by 0"
     assert report["results"]["train"]["episodes"] == report["selection_results"]["train"]["episodes"] == 1
     assert set(report["latency_ms"]) == {"1", "3"} and report["latency_ms"]["3"] > 0
 

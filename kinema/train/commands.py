@@ -54,6 +54,9 @@ def eval_command(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
     if args.video_predictions and not hasattr(policy, "predicted_future_images"):
         raise ValueError(f"--video-predictions needs a policy that predicts future frames (policy.type video); {args.policy} is a {type(policy).__name__}")
+    if args.noise_scale is None:  # as the checkpoint's run evaluated it (a DSRL actor picks its own noise)
+        steered = saved is not None and saved["name"] == "dsrl"
+        args.noise_scale = 1.0 if steered else getattr(policy.config, "inference_noise_scale", 1.0)
     acting, select = _runners(policy, saved, args.select, args.policy, args.noise_scale, args.select_margin)
     seen = policy.config.extra.get("tasks", [])
     if seen and args.task not in seen:

@@ -64,11 +64,10 @@ class ChunkPolicy:
         steer chunks (PA-RL's selection, DSRL's noise actor) override this."""
         B = len(batch["task"])
         noise = self._episode_noise(B)
-        if self.noise_scale != 1.0:
+        if noise is None:  # drawn here, so that a checkpoint's inference_noise_scale (what deploy uses) never applies
             cfg = self.policy.config
-            noise = torch.randn(B, cfg.chunk_size, cfg.action_dim, device=self.policy.device) if noise is None else noise
-            noise = noise * self.noise_scale
-        return self.policy.predict_action_chunk(batch, noise=noise)
+            noise = torch.randn(B, cfg.chunk_size, cfg.action_dim, device=self.policy.device)
+        return self.policy.predict_action_chunk(batch, noise=noise * self.noise_scale)
 
     @torch.no_grad()
     def __call__(self, obs: dict[str, Any]) -> np.ndarray:

@@ -25,6 +25,10 @@ class VLAConfig:
     chunk_size: int = 8  # H: actions denoised per chunk
     n_action_steps: int = 4  # actions executed from each chunk before replanning
     num_flow_steps: int = 10  # K: Euler steps integrating the velocity field at inference
+    # The initial noise's scale when predict_action_chunk draws it (deploy, select_action): 1 samples the policy's
+    # spread, 0 gives its deterministic, mode-seeking chunk. `kinema train` writes its eval.noise_scale here, so that
+    # a checkpoint acts as it was evaluated; rollouts and evaluations pass noise of their own.
+    inference_noise_scale: float = 1.0
     time_distribution: str = "beta"  # flow time sampling in training: "beta" (pi0), "uniform", "logit_normal"
     vision_channels: tuple[int, ...] = (32, 64, 64)  # conv widths; the first conv is a stride-4 patchify
     vision_dim: int = 256  # per-camera feature size
@@ -77,6 +81,8 @@ class VLAConfig:
             raise ValueError(f"VLAConfig.state_dropout must be in [0, 1); got {self.state_dropout}")
         if not self.cameras:
             raise ValueError("VLAConfig.cameras must name at least one camera")
+        if self.inference_noise_scale < 0:
+            raise ValueError(f"VLAConfig.inference_noise_scale must be >= 0 (1: sampled, 0: zero noise); got {self.inference_noise_scale}")
         if self.num_flow_steps < 1:
             raise ValueError(f"VLAConfig.num_flow_steps must be >= 1; got {self.num_flow_steps}")
         self.lora_targets = tuple(self.lora_targets)

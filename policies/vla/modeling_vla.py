@@ -274,11 +274,13 @@ class VLAPolicy(ChunkedActing, nn.Module):
     # ----- inference -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def predict_action_chunk(self, batch: Mapping[str, Any], *, noise: Tensor | None = None, context: Tensor | None = None) -> Tensor:
-        """Denoise a chunk (B, chunk_size, action_dim) with K Euler steps from t = 1 (noise) to 0. `context`: the
-        batch's `features`, when the caller has them (several chunks sampled per observation encode it once)."""
+        """Denoise a chunk (B, chunk_size, action_dim) with K Euler steps from t = 1 (noise) to 0; without `noise`,
+        from a standard normal draw times `config.inference_noise_scale`. `context`: the batch's `features`, when the
+        caller has them (several chunks sampled per observation encode it once)."""
         context = self.features(batch) if context is None else context
         B = context.shape[0]
-        noise = torch.randn(B, self.config.chunk_size, self.config.action_dim, device=self.device) if noise is None else noise
+        if noise is None:
+            noise = torch.randn(B, self.config.chunk_size, self.config.action_dim, device=self.device) * self.config.inference_noise_scale
         chunk = euler_sample(lambda x, t: self.expert(x, t, context), noise, num_steps=self.config.num_flow_steps)
         return chunk.clamp(-1.0, 1.0)
 
