@@ -140,7 +140,7 @@ def test_pa_rl_trains_its_critic_reports_calibration_and_selection_and_kinema_ev
     # The policy alone and best-of-3 by the critic, each its own column on the same seeds, with batch-1 latencies.
     assert report["select"] == 3 and "pa_rl checkpoint's chunk critic" in report["selection"] and "valued 0.02 higher" in report["selection"]
     # The plain column from zero noise: the run's eval.noise_scale, which its checkpoint keeps for eval and deploy.
-    assert report["acting"] == "policy, initial noise scaled by 0"
+    assert report["acting"] == "policy, initial noise scaled by 0" and report["noise_scale"] == 0.0 and report["seed"] == 0
     assert report["results"]["train"]["episodes"] == report["selection_results"]["train"]["episodes"] == 1
     assert set(report["latency_ms"]) == {"1", "3"} and report["latency_ms"]["3"] > 0
 

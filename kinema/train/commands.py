@@ -27,6 +27,7 @@ def eval_command(args: argparse.Namespace) -> int:
 
     from kinema.train.evaluate import SPLITS, batch1_latency_ms, evaluate
     from policies import load_policy
+    from policies.checkpoint import write_text_atomic
     from sim.tasks import SplitNotApplicable, check_task
 
     check_task(args.task)
@@ -82,11 +83,12 @@ def eval_command(args: argparse.Namespace) -> int:
             label = f" with selection (N={n})" if n > 1 else ""
             steps = f", {res.steps_to_success:.1f} steps to success" if res.steps_to_success else ""
             console.print(f"{split}{label}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes{steps}")
-    summary = {"policy": args.policy, "task": args.task, "task_config": task_config, "seen_tasks": seen, "acting": acting.description,
-               "results": results, "latency_ms": latency}  # batch-1 latency per chunk, by number of candidates
+    summary = {"policy": args.policy, "task": args.task, "task_config": task_config, "seen_tasks": seen, "seed": args.seed,
+               "noise_scale": args.noise_scale, "acting": acting.description, "results": results,
+               "latency_ms": latency}  # batch-1 latency per chunk, by number of candidates  # fmt: skip
     if select:
         summary.update(select=select.num_samples, selection=select.description, selection_results=selected)
-    (out / "eval.json").write_text(json.dumps(summary, indent=2))
+    write_text_atomic(out / "eval.json", json.dumps(summary, indent=2))
     lines = [f"# kinema eval: {args.policy} on {args.task}", ""]
     if seen and args.task not in seen:
         lines += [f"Note: the checkpoint was trained on {seen}; {args.task} is unseen.", ""]
