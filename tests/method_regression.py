@@ -6,6 +6,9 @@ Recording them again is a decision, not a chore: it says that a change of behavi
 
     python tests/method_regression.py   # rewrites fixtures/train_methods_reference.json
     python tests/method_regression.py pa_rl dsrl   # records (or re-records) those methods' entries only
+
+The reference keeps the versions of the packages its floats depend on (`_environment`); in another environment (or
+with a reference recorded before the versions were kept) the comparison is skipped, saying which versions differ.
 """
 
 from __future__ import annotations
@@ -47,6 +50,21 @@ RUNS: dict[str, list[str]] = {
 LEGACY = {"--rl.awr.critic_steps": "--rl.habc.critic_steps", "--rl.ppo.group_size": "--rl.group_size",
           "--rl.ppo.advantage": "--rl.ppo_advantage", "--rl.ppo.critic_steps": "--rl.habc.critic_steps"}  # fmt: skip
 NOT_NUMBERS = {"time", "cpu_s", "run/seconds_left_estimate"}
+# The packages the recorded floats depend on. A fresh venv takes their newest releases, and a new release moves the
+# floats without any change here (12-03: a fresh venv, with numpy 2.4.6, transformers 5.25, mujoco 4.0.1, av 18.1 and
+# pillow 13, reproduced 4 of the 10 rounds), so the numbers are compared only in the environment they were recorded in.
+NUMERIC_PACKAGES = ("torch", "numpy", "mujoco", "transformers", "diffusers", "av", "pillow")
+
+
+def environment() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in NUMERIC_PACKAGES}
+
+
+def environment_changes(recorded: dict[str, str]) -> dict[str, tuple[str, str | None]]:
+    """{package: (installed, recorded)} for each package whose installed version is not the recorded one."""
+    return {name: (v, recorded.get(name)) for name, v in environment().items() if recorded.get(name) != v}
 
 
 def fingerprint(tensors: dict[str, torch.Tensor]) -> float:
@@ -102,6 +120,9 @@ if __name__ == "__main__":
     if unknown := [n for n in names if n not in RUNS]:
         raise SystemExit(f"unknown run(s) {unknown}; valid: {', '.join(RUNS)}")
     out = json.loads(REFERENCE.read_text()) if names != list(RUNS) else {}
+    if out and (changed := environment_changes(out.get("_environment", {}))):
+        raise SystemExit(f"the other entries were recorded with other package versions {changed} (installed, recorded): record all methods")
+    out["_environment"] = environment()
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             out[name] = run_method(name, Path(tmp), legacy_names=legacy)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from method_regression import REFERENCE, RUNS, TINY, run_method, same
+from method_regression import REFERENCE, RUNS, TINY, environment_changes, run_method, same
 
 from kinema.common import load_config
 from kinema.train.config import TrainConfig
@@ -27,7 +27,11 @@ def kinema(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_each_method_reproduces_its_recorded_round(tmp_path: Path, name: str):
     torch.set_num_threads(1)
-    expected = json.loads(REFERENCE.read_text())[name]
+    reference = json.loads(REFERENCE.read_text())
+    if changed := environment_changes(reference.get("_environment", {})):
+        pytest.skip(f"reference recorded with other package versions {changed} (installed, recorded): floats move "
+                    "across releases; after checking that the change is upstream, re-record: python tests/method_regression.py")
+    expected = reference[name]
     got = run_method(name, tmp_path)
     assert sorted(got["numbers"]) == sorted(expected["numbers"])
     differ = {k: (got["numbers"][k], v) for k, v in expected["numbers"].items() if not same(got["numbers"][k], v)}
