@@ -50,9 +50,8 @@ RUNS: dict[str, list[str]] = {
 LEGACY = {"--rl.awr.critic_steps": "--rl.habc.critic_steps", "--rl.ppo.group_size": "--rl.group_size",
           "--rl.ppo.advantage": "--rl.ppo_advantage", "--rl.ppo.critic_steps": "--rl.habc.critic_steps"}  # fmt: skip
 NOT_NUMBERS = {"time", "cpu_s", "run/seconds_left_estimate"}
-# The packages the recorded floats depend on. A fresh venv takes their newest releases, and a new release moves the
-# floats without any change here (12-03: a fresh venv, with numpy 2.4.6, transformers 5.25, mujoco 4.0.1, av 18.1 and
-# pillow 13, reproduced 4 of the 10 rounds), so the numbers are compared only in the environment they were recorded in.
+# The packages the recorded floats depend on: a new release moves them with no change here (a fresh venv takes the
+# newest), so the numbers are compared only in the environment they were recorded in.
 NUMERIC_PACKAGES = ("torch", "numpy", "mujoco", "transformers", "diffusers", "av", "pillow")
 
 
