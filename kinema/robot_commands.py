@@ -7,11 +7,12 @@ Both talk over ROS 2 topics (the robot config names them). With `--local` (the d
 with either backend (`dds`, the default where ROS 2 is not installed, or `rclpy`): see robot/transport/loopback.py. Ctrl-C (or SIGTERM) stops cleanly:
 the policy node stops commanding, the recorder commits what it has, the transport closes.
 
-Episodes in `deploy`: the first runs from the robot's current state; before each later one, "reset" goes out on the
-episode topic (the sim robot resets its scene to the next seed; on a real arm, an operator or a reset routine does).
-An episode ends when the success topic says so, or after `--duration` seconds (a failure if the success topic said
-False, unlabelled if it said nothing). With `--record DIR`, each one is written to DIR/dataset (LeRobotDataset v3)
-and DIR/mcap (ros2 MCAP) with its takeover segments.
+`deploy` starts once the robot publishes valid joint states and its controller subscribes to the command topic
+(within `--wait-robot` seconds, else it says which is missing). Episodes: the first runs from the robot's current
+state; before each later one, "reset" goes out on the episode topic (the sim robot resets its scene to the next seed;
+on a real arm, an operator or a reset routine does). An episode ends when the success topic says so, or after
+`--duration` seconds (a failure if the success topic said False, unlabelled if it said nothing). With `--record DIR`,
+each one is written to DIR/dataset (LeRobotDataset v3) and DIR/mcap (ros2 MCAP) with its takeover segments.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_ROBOT = "sim_panda"
+COMMAND_MATCH_SETTLE_S = 0.25
 LOCAL_HELP = (
     "keep all ROS 2 traffic on this machine (default), with either backend: CycloneDDS on the loopback config, "
     "ROS_LOCALHOST_ONLY=1 and ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST for rclpy; --no-local uses the environment's "
@@ -66,7 +68,9 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
     )
     deploy.add_argument("--episodes", type=int, default=1, help="episodes to run")
     deploy.add_argument("--duration", type=float, default=60.0, help="seconds per episode at most")
-    deploy.add_argument("--wait-robot", type=float, default=20.0, help="seconds to wait for the first /joint_states")
+    deploy.add_argument(
+        "--wait-robot", type=float, default=20.0, help="seconds to wait for the first /joint_states, and for the controller to subscribe to the commands",
+    )
 
     simr = sub.add_parser(
         "sim-robot",
@@ -192,8 +196,16 @@ def deploy(args: argparse.Namespace) -> int:
                     f"no valid {robot.topics.joint_states} within {args.wait_robot} s (joints {robot.command_joint_names}): "
                     "is the robot (e.g. `kinema sim-robot`) running on the same backend and ROS_DOMAIN_ID?"
                 )
+            if not _sleep_until(node.controller_listening, args.wait_robot):
+                raise ValueError(
+                    f"nothing subscribes to {node.command_topic} within {args.wait_robot} s: is the robot's "
+                    f"{robot.controller.type} controller loaded and active?"
+                )
             if not args.instruction:  # the robot side may name the task (the sim robot does, once a second)
                 _sleep_until(lambda: bool(node.instruction), 2.0)
+            # Each side matches the other on its own: the robot's reader may match this writer a little later, and
+            # drops what was sent before (a CycloneDDS reader of a Fast DDS writer lost 1-2 commands without this).
+            time.sleep(COMMAND_MATCH_SETTLE_S)
             node.pause()
             node.start()
             if recorder is not None:

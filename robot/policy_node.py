@@ -354,6 +354,14 @@ class PolicyNode:
 
     # ----- observation --------------------------------------------------------------------------------------------------
     @property
+    def command_topic(self) -> str:
+        return self._cmd_pub.topic
+
+    def controller_listening(self) -> bool:
+        """Whether a subscription (the robot's controller) has matched the command publisher."""
+        return self._cmd_pub.subscription_count() > 0
+
+    @property
     def instruction(self) -> str:
         with self._lock:
             return self._instruction

@@ -255,7 +255,7 @@ def test_a_real_ros2_node_and_the_dds_backend_complete_an_episode_together(procs
     stopped = procs.records("sim")[-1]
     assert stopped["event"] == "stopped" and stopped["counters"]["commands"] > 20, stopped
     episodes = [r for r in procs.records("deploy") if r["event"] == "episode"]
-    assert [e["success"] for e in episodes] == [True], procs.logs()
+    assert [e["success"] for e in episodes] == [True], (procs.records("deploy"), stopped, procs.logs())
     # The instruction crossed too (the sim robot publishes its task's; deploy was given none).
     assert episodes[0]["instruction"] == "pull the top drawer open", episodes
     summary = procs.records("deploy")[-1]

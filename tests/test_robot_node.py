@@ -16,7 +16,7 @@ from robot.kinematics import ActionMapper, Kinematics
 from robot.policy_node import ConstantPolicy, PolicyNode
 from robot.safety import SafetyStatus
 from robot.transport import QOS_LATCHED
-from robot.transport.inproc import InprocBus, InprocTransport
+from robot.transport.inproc import DEFAULT_BUS, InprocBus, InprocTransport
 
 ROBOT = load_robot_config("sim_panda")
 HOME = np.concatenate([ROBOT.home, [0.04, 0.04]])
@@ -515,6 +515,33 @@ def test_deploy_without_a_robot_fails_with_a_clear_error(capsys):
     assert "no valid /joint_states within 0.2 s" in err and "kinema sim-robot" in err
 
 
+def test_deploy_refuses_a_robot_whose_controller_does_not_listen(capsys, monkeypatch):
+    """Joint states arrive but nothing subscribes to the command topic (a controller not loaded, or not active):
+    deploy says so and commands nothing, rather than streaming into the void for the whole episode."""
+    from kinema.cli import main
+
+    monkeypatch.setenv("ROS_DOMAIN_ID", "0")  # deploy's inproc transport joins the default bus on domain 0
+    with InprocTransport(DEFAULT_BUS) as tr:
+        state_pub = tr.publisher(ROBOT.topics.joint_states, msg.JointState)
+        stop = threading.Event()
+
+        def robot_loop():
+            while not stop.is_set():
+                state_pub.publish(msg.JointState(name=list(ROBOT.command_joint_names), position=list(HOME)))
+                stop.wait(0.02)
+
+        thread = threading.Thread(target=robot_loop)
+        thread.start()
+        try:
+            code = main(["deploy", "--policy", "scripted:zero", "--backend", "inproc", "--wait-robot", "0.5"])
+        finally:
+            stop.set()
+            thread.join(10)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"nothing subscribes to {ROBOT.controller.commands_topic} within 0.5 s" in err and "forward_position controller" in err
+
+
 def test_deploy_records_with_the_robots_own_recorder_config(tmp_path):
     """`deploy --record`: RecorderConfig.from_robot (per-camera sizes, a step per streamed command) and the mapper's
     EE state/action names; cameras of different sizes each keep their own."""
@@ -766,7 +793,6 @@ def test_deploy_keys_mark_the_recorded_episode_and_q_quits(tmp_path, monkeypatch
     import time
 
     from kinema.cli import main
-    from robot.transport.inproc import DEFAULT_BUS
 
     read_fd, write_fd = os.pipe()
     keyboard = os.fdopen(read_fd, "r")

@@ -41,6 +41,10 @@ class Publisher(abc.ABC):
     @abc.abstractmethod
     def publish(self, msg: Any) -> None: ...
 
+    @abc.abstractmethod
+    def subscription_count(self) -> int:
+        """Subscriptions matched with this publisher, local and remote (rclpy's `get_subscription_count`)."""
+
     def close(self) -> None:  # noqa: B027 - optional for backends with nothing to release
         pass
 

@@ -50,6 +50,10 @@ class InprocBus:
         if last is not None:
             sub._deliver(copy.deepcopy(last))
 
+    def matched(self, key: tuple[int, str], qos: QoS) -> int:
+        with self._lock:
+            return sum(qos_compatible(qos, s.qos) for s in self._subs[key])
+
     def remove(self, key: tuple[int, str], sub: _InprocSubscription) -> None:
         with self._lock:
             if sub in self._subs[key]:
@@ -75,6 +79,9 @@ class _InprocPublisher(Publisher):
             raise TypeError(f"publisher on {self.topic!r} takes {self.msg_type.__name__}, got {type(msg).__name__}")
         self._transport._check_open()
         self._transport.bus.deliver((self._transport.domain_id, self.topic), msg, self.qos)
+
+    def subscription_count(self) -> int:
+        return self._transport.bus.matched((self._transport.domain_id, self.topic), self.qos)
 
 
 class _InprocSubscription(Subscription):
