@@ -40,6 +40,19 @@ def test_each_method_reproduces_its_recorded_round(tmp_path: Path, name: str):
 
 
 @pytest.mark.slow
+def test_the_same_run_twice_in_one_process_writes_the_same_videos_and_trains_the_same_weights(tmp_path: Path):
+    """Reproducibility, which the recorded rounds above rely on: the demos' and rollouts' videos are byte-identical
+    (x264's mb-tree made them differ one run in five, and the SFT on their frames with them), and so is what trained."""
+    torch.set_num_threads(1)
+    first, second = run_method("habc", tmp_path / "a"), run_method("habc", tmp_path / "b")
+    videos = {p.relative_to(tmp_path / "a"): p.read_bytes() for p in sorted((tmp_path / "a").rglob("*.mp4"))}
+    assert any("demos" in str(p) for p in videos) and any("rollouts" in str(p) for p in videos), sorted(videos)
+    differ = [str(p) for p, data in videos.items() if (tmp_path / "b" / p).read_bytes() != data]
+    assert not differ, differ
+    assert first == second
+
+
+@pytest.mark.slow
 def test_a_run_and_a_checkpoint_written_before_the_methods_split_still_work(tmp_path: Path):
     """The fixture is a habc run folder as kinema wrote it before the split: flat rl.ppo_* keys in config.yaml, one
     `critics` dict in trainer.pt. It resumes for one more round, and its checkpoint evaluates."""

@@ -96,13 +96,20 @@ class VideoEncoding:
     preset: str = "medium"
     pix_fmt: str = "yuv420p"
     threads: int = 1
+    # libx264 only. Its macroblock-tree rate control encoded the same frames to different videos within one process
+    # (one run in five of a tiny `kinema train`), so training on the decoded frames was not reproducible; without it,
+    # encoding is.
+    x264_params: str = "mbtree=0"
+
+    def extra_options(self) -> dict[str, str]:
+        return {"x264-params": self.x264_params} if self.codec == "libx264" and self.x264_params else {}
 
     def info(self, height: int, width: int, fps: float) -> dict[str, Any]:
         return {  # the `video.*` keys LeRobot records for each camera feature
             "video.height": height, "video.width": width, "video.codec": av.codec.Codec(self.codec, "w").canonical_name,
             "video.pix_fmt": self.pix_fmt, "video.fps": _json_fps(fps), "video.channels": 3, "video.g": self.gop,
             "video.crf": self.crf, "video.preset": self.preset, "video.fast_decode": 0, "video.video_backend": "pyav",
-            "video.extra_options": {}, "is_depth_map": False, "has_audio": False,
+            "video.extra_options": self.extra_options(), "is_depth_map": False, "has_audio": False,
         }
 
 
@@ -497,7 +504,8 @@ class _VideoFile:
         final.parent.mkdir(parents=True, exist_ok=True)
         self.container = av.open(str(self.tmp), mode="w", format="mp4")
         # No B-frames: presentation order == decode order, so frame times are exactly the pts we set.
-        options = {"crf": str(enc.crf), "g": str(enc.gop), "bf": "0", "preset": enc.preset, "threads": str(enc.threads)}
+        options = {"crf": str(enc.crf), "g": str(enc.gop), "bf": "0", "preset": enc.preset, "threads": str(enc.threads),
+                   **enc.extra_options()}
         self.stream = self.container.add_stream(enc.codec, rate=Fraction(fps).limit_denominator(1001), options=options)
         self.stream.width, self.stream.height, self.stream.pix_fmt = width, height, enc.pix_fmt
         self.stream.time_base = _TIME_BASE
