@@ -46,6 +46,7 @@ inflated by runs sharing the CPU), with `sft_then_habc`: the compute HABC needs 
 
     python benchmarks/vla_rl.py --quick                       # one task, the headline arms, tiny budget
     python benchmarks/vla_rl.py --tasks drawer --seeds 2      # runs one after another, with a live progress bar
+    python benchmarks/vla_rl.py --tasks drawer --seeds 2 --first-seed 2   # seeds 2 and 3 beside 0 and 1 in the same --out
     python benchmarks/vla_rl.py --tasks push --demos teleop   # the teleoperator-quality regime alone
     python benchmarks/vla_rl.py --jobs 8 --out runs/bench     # 8 runs at once (logs in runs/bench/logs/)
     python benchmarks/vla_rl.py --tasks push --methods habc,sft_continued --out runs/staged \
@@ -324,7 +325,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one task, the headline arms, tiny budget (about a minute)")
     parser.add_argument("--tasks", default="drawer,push,pick_place")
-    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=2, help="seeds per task: --first-seed, the next, ...")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (add seeds to an earlier --out)")
     parser.add_argument("--methods", default=None,
                         help=f"arms, comma-separated (default: all of {', '.join(METHODS)}; with --quick: {', '.join(HEADLINE)})")
     parser.add_argument(
@@ -357,7 +359,7 @@ def main() -> None:
     if unknown := set(args.policies.split(",")) - {"vla", "video"}:
         parser.error(f"--policies: unknown {sorted(unknown)}; valid: vla, video")
     tasks = ["drawer"] if args.quick else args.tasks.split(",")
-    seeds = 1 if args.quick else args.seeds
+    seeds = [0] if args.quick else list(range(args.first_seed, args.first_seed + args.seeds))
     methods = (args.methods or ",".join(HEADLINE if args.quick else METHODS)).split(",")
     if unknown := [m for m in methods if m not in METHODS]:
         parser.error(f"--methods: unknown arm(s) {', '.join(unknown)}; valid: {', '.join(METHODS)}")
@@ -375,13 +377,13 @@ def main() -> None:
     configs = {task: args.config.format(task=task) if args.config else None for task in tasks}
     sft_jobs, arm_jobs = [], []
     starts = {(regime, task, seed): _start_run(args.start, regime, task, seed, parser) if args.start else
-              _task_dir(out, regime, task, seed) / "sft" for regime in regimes for task in tasks for seed in range(seeds)}  # fmt: skip
-    arm_runs = {(_task_dir(out, r, task, seed) / m).resolve() for r in regimes for task in tasks for seed in range(seeds) for m in methods}
+              _task_dir(out, regime, task, seed) / "sft" for regime in regimes for task in tasks for seed in seeds}  # fmt: skip
+    arm_runs = {(_task_dir(out, r, task, seed) / m).resolve() for r in regimes for task in tasks for seed in seeds for m in methods}
     if args.start and (clash := [run for run in starts.values() if run.resolve() in arm_runs]):
         parser.error(f"--start: {clash[0]} is also where an arm of this --out trains; give the arms another --out")
     for regime in regimes:
         for task in tasks:
-            for seed in range(seeds):
+            for seed in seeds:
                 base = starts[regime, task, seed]
                 start_checkpoint, demos = (base / "checkpoints" / "final", _run_dataset(base)) if args.start else (
                     base / "checkpoints" / "sft", base / "demos")  # fmt: skip
@@ -413,7 +415,7 @@ def main() -> None:
     for regime in regimes:
         print(f"\n[{regime} demonstrations]")
         blocks[regime], run_minutes, cpu_minutes = regime_summary(
-            out, regime, tasks, seeds, methods, {(t, s): starts[regime, t, s] for t in tasks for s in range(seeds)},
+            out, regime, tasks, seeds, methods, {(t, s): starts[regime, t, s] for t in tasks for s in seeds},
             from_start=bool(args.start),
         )  # fmt: skip
         if regime != regimes[0]:
@@ -439,7 +441,7 @@ def _task_dir(out: Path, regime: str, task: str, seed: int) -> Path:
 
 
 def regime_summary(
-    out: Path, regime: str, tasks: list[str], seeds: int, methods: list[str], starts: dict[tuple[str, int], Path], *,
+    out: Path, regime: str, tasks: list[str], seeds: list[int], methods: list[str], starts: dict[tuple[str, int], Path], *,
     from_start: bool,
 ) -> tuple[dict, dict[str, float], dict[str, dict[str, float]]]:  # fmt: skip
     """One regime's figures: per arm pooled over tasks and seeds, and per task (`per_task`); with the wall minutes
@@ -458,16 +460,16 @@ def regime_summary(
         def run_of(seed: int, m: str) -> Path:
             return starts[task, seed] if m == "sft" else _task_dir(out, regime, task, seed) / m
 
-        runs = [run_of(seed, m) for seed in range(seeds) for m in ["sft", *methods]]
+        runs = [run_of(seed, m) for seed in seeds for m in ["sft", *methods]]
         run_minutes[task] = round(sum(_run_minutes(r) for r in runs), 1)
         for m in ["sft", *methods]:
-            spent = [c for seed in range(seeds) if (c := _run_cpu_minutes(run_of(seed, m), chain=m == "sft")) is not None]
+            spent = [c for seed in seeds if (c := _run_cpu_minutes(run_of(seed, m), chain=m == "sft")) is not None]
             if spent:
                 cpu_minutes.setdefault(task, {})[m] = round(float(np.mean(spent)), 2)
         if {"sft", "habc"} <= cpu_minutes.get(task, {}).keys():  # HABC's budget for the task: its SFT, then its RL
             cpu_minutes[task]["sft_then_habc"] = round(cpu_minutes[task]["sft"] + cpu_minutes[task]["habc"], 2)
         task_rows = per_task_rows[task] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
-        for seed in range(seeds):
+        for seed in seeds:
             demo_rows.setdefault(task, []).append(next((r for r in _records(starts[task, seed]) if r.get("kind") == "demos"), {}))
             scale = noise_scales[task] = _arms_noise_scale([_task_dir(out, regime, task, seed) / m for m in methods])
             sft = start_eval(starts[task, seed], "final" if from_start else "sft", scale)
@@ -526,7 +528,7 @@ def regime_summary(
               + (f"  | HABC - best baseline {100 * by_task[task]['habc_margin_over_best_baseline']:+.0f} pts" if "habc_margin_over_best_baseline" in by_task[task] else ""))
     summary["per_task_success"] = by_task
     if "pa_rl" in methods:  # value-guided selection at N on the pa_rl arm's final policy, per run
-        picks = [(task, r) for task in tasks for seed in range(seeds) for r in _records(_task_dir(out, regime, task, seed) / "pa_rl")
+        picks = [(task, r) for task in tasks for seed in seeds for r in _records(_task_dir(out, regime, task, seed) / "pa_rl")
                  if r.get("kind") == "selection_eval"]  # fmt: skip
         if picks:
             summary["pa_rl_selection"] = {
@@ -540,7 +542,7 @@ def regime_summary(
             }
             # Against the same policy at N = 1 (its final evaluation), paired by evaluation seed.
             diffs = np.concatenate([paired_outcome_differences(final_eval(_task_dir(out, regime, task, seed) / "pa_rl", "final"), r, "train")
-                                    for task in tasks for seed in range(seeds) for r in _records(_task_dir(out, regime, task, seed) / "pa_rl")
+                                    for task in tasks for seed in seeds for r in _records(_task_dir(out, regime, task, seed) / "pa_rl")
                                     if r.get("kind") == "selection_eval"])  # fmt: skip
             if len(diffs) > 1:
                 summary["pa_rl_selection"]["paired_vs_n1"] = {"diff": round(float(diffs.mean()), 4), "n": len(diffs),
@@ -586,7 +588,7 @@ def _video_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides
     video = ["--policy.type", "video"]
     sfts = []
     for task in tasks:
-        for seed in range(seeds):
+        for seed in seeds:
             run = _task_dir(out, regime, task, seed) / "video_sft"
             if not _sft_done(run):
                 if run.exists():
@@ -596,7 +598,7 @@ def _video_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides
     run_jobs(sfts, jobs_at_once=jobs_at_once, logs=out / "logs")
     arms = []
     for task in tasks:
-        for seed in range(seeds):
+        for seed in seeds:
             base = _task_dir(out, regime, task, seed) / "video_sft"
             for name, arm in (("video_rl", method), ("video_sft_continued", "sft_continued")):
                 run = _task_dir(out, regime, task, seed) / name
@@ -630,7 +632,7 @@ def _video_summary(out: Path, regime: str, tasks, seeds, starts, method, candida
 
     rows = {k: [] for k in ("sft", "rl", "control", "sft_planning", "rl_planning")}
     for task in tasks:
-        for seed in range(seeds):
+        for seed in seeds:
             root = _task_dir(out, regime, task, seed)
             forms = {
                 "sft": final_eval(root / "video_sft", "sft"),
