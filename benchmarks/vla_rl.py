@@ -46,7 +46,7 @@ inflated by runs sharing the CPU), with `sft_then_habc`: the compute HABC needs 
 
     python benchmarks/vla_rl.py --quick                       # one task, the headline arms, tiny budget
     python benchmarks/vla_rl.py --tasks drawer --seeds 2      # runs one after another, with a live progress bar
-    python benchmarks/vla_rl.py --tasks drawer --seeds 2 --first-seed 2   # seeds 2 and 3 beside 0 and 1 in the same --out
+    python benchmarks/vla_rl.py --tasks drawer --seeds 2 --first-seed 2   # seeds 2, 3 (beside a run of 0, 1 on this --out)
     python benchmarks/vla_rl.py --tasks push --demos teleop   # the teleoperator-quality regime alone
     python benchmarks/vla_rl.py --jobs 8 --out runs/bench     # 8 runs at once (logs in runs/bench/logs/)
     python benchmarks/vla_rl.py --tasks push --methods habc,sft_continued --out runs/staged \
@@ -326,7 +326,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one task, the headline arms, tiny budget (about a minute)")
     parser.add_argument("--tasks", default="drawer,push,pick_place")
     parser.add_argument("--seeds", type=int, default=2, help="seeds per task: --first-seed, the next, ...")
-    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (add seeds to an earlier --out)")
+    parser.add_argument(
+        "--first-seed", type=int, default=0,
+        help="the first seed; the JSON covers this invocation's seeds (for invocations side by side on one --out; "
+        "--seeds N from 0 then reuses their runs and pools them)",
+    )
     parser.add_argument("--methods", default=None,
                         help=f"arms, comma-separated (default: all of {', '.join(METHODS)}; with --quick: {', '.join(HEADLINE)})")
     parser.add_argument(
@@ -359,6 +363,10 @@ def main() -> None:
     if unknown := set(args.policies.split(",")) - {"vla", "video"}:
         parser.error(f"--policies: unknown {sorted(unknown)}; valid: vla, video")
     tasks = ["drawer"] if args.quick else args.tasks.split(",")
+    if args.seeds < 1 or args.first_seed < 0:
+        parser.error(f"--seeds must be >= 1 and --first-seed >= 0; got {args.seeds} and {args.first_seed}")
+    if args.quick and args.first_seed:
+        parser.error("--quick runs seed 0 alone; --first-seed does not apply")
     seeds = [0] if args.quick else list(range(args.first_seed, args.first_seed + args.seeds))
     methods = (args.methods or ",".join(HEADLINE if args.quick else METHODS)).split(",")
     if unknown := [m for m in methods if m not in METHODS]:
@@ -428,7 +436,7 @@ def main() -> None:
     if len(regimes) > 1:
         summary["regimes"] = {r: blocks[r] for r in regimes[1:]}
     # Wall minutes of this invocation (runs finished earlier and reused count zero), with the jobs it ran at once.
-    summary["_meta"] = {"tasks": tasks, "seeds": seeds, "quick": args.quick, "jobs": args.jobs, "start": args.start or "sft",
+    summary["_meta"] = {"tasks": tasks, "seeds": len(seeds), "first_seed": seeds[0], "quick": args.quick, "jobs": args.jobs, "start": args.start or "sft",
                         "demos": regimes, "runs_trained": len(sft_jobs) + len(arm_jobs),
                         "minutes": round((time.time() - started) / 60, 1), "task_run_minutes": first_minutes,
                         "cpu_minutes_per_run": first_cpu}  # fmt: skip

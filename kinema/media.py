@@ -29,7 +29,7 @@ def write_mp4(path: str | Path, frames: np.ndarray | Sequence[np.ndarray], fps: 
             stream = container.add_stream("libx264", rate=int(round(fps)))
             stream.width, stream.height = frames.shape[2], frames.shape[1]
             stream.pix_fmt = "yuv420p"
-            stream.options = {"crf": str(crf), "preset": "veryfast"}
+            stream.options = {"crf": str(crf), "preset": "veryfast"}  # for people to watch: mb-tree on (data: lerobot_v3)
             for frame in frames:
                 for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
                     container.mux(packet)

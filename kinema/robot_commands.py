@@ -69,7 +69,7 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
     deploy.add_argument("--episodes", type=int, default=1, help="episodes to run")
     deploy.add_argument("--duration", type=float, default=60.0, help="seconds per episode at most")
     deploy.add_argument(
-        "--wait-robot", type=float, default=20.0, help="seconds to wait for the first /joint_states, and for the controller to subscribe to the commands",
+        "--wait-robot", type=float, default=20.0, help="seconds to wait for the first /joint_states, and then as long for the controller to subscribe to the commands",
     )
 
     simr = sub.add_parser(
@@ -196,15 +196,16 @@ def deploy(args: argparse.Namespace) -> int:
                     f"no valid {robot.topics.joint_states} within {args.wait_robot} s (joints {robot.command_joint_names}): "
                     "is the robot (e.g. `kinema sim-robot`) running on the same backend and ROS_DOMAIN_ID?"
                 )
-            if not _sleep_until(node.controller_listening, args.wait_robot):
+            own = 0 if recorder is None else 1  # the recorder listens to the commands too; it is not the controller
+            if not _sleep_until(lambda: node.command_subscriptions() > own, args.wait_robot):
                 raise ValueError(
                     f"nothing subscribes to {node.command_topic} within {args.wait_robot} s: is the robot's "
-                    f"{robot.controller.type} controller loaded and active?"
+                    f"{robot.controller.type} controller loaded and configured?"
                 )
             if not args.instruction:  # the robot side may name the task (the sim robot does, once a second)
                 _sleep_until(lambda: bool(node.instruction), 2.0)
             # Each side matches the other on its own: the robot's reader may match this writer a little later, and
-            # drops what was sent before (a CycloneDDS reader of a Fast DDS writer lost 1-2 commands without this).
+            # drops what was sent before it did (benchmarks/RESULTS.md, "The first commands of an rclpy ...").
             time.sleep(COMMAND_MATCH_SETTLE_S)
             node.pause()
             node.start()

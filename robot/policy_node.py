@@ -357,9 +357,10 @@ class PolicyNode:
     def command_topic(self) -> str:
         return self._cmd_pub.topic
 
-    def controller_listening(self) -> bool:
-        """Whether a subscription (the robot's controller) has matched the command publisher."""
-        return self._cmd_pub.subscription_count() > 0
+    def command_subscriptions(self) -> int:
+        """Subscriptions matched with the command publisher: the robot's controller, and any listener (this
+        process's included)."""
+        return self._cmd_pub.subscription_count()
 
     @property
     def instruction(self) -> str:

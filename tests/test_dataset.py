@@ -32,8 +32,8 @@ from diffusion_rl.data import lerobot_v3
 
 REPO = Path(__file__).resolve().parents[1]
 CAMS = ("observation.images.front", "observation.images.wrist")
-# Measured on these smooth test images with the default encoding (libx264, yuv420p, crf 15): mean abs error 1.7,
-# max 11 grey levels (48x64); 1.7 and 13 at 96x96. The bounds leave margin for other libx264 builds.
+# Measured on these smooth test images with the default encoding (libx264, yuv420p, crf 15, mb-tree off): mean abs
+# error 1.5, max 8 grey levels (48x64); 1.6 and 10 at 96x96. The bounds leave margin for other libx264 builds.
 IMAGE_MAE, IMAGE_MAX = 3.0, 40
 
 

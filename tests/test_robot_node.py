@@ -515,9 +515,11 @@ def test_deploy_without_a_robot_fails_with_a_clear_error(capsys):
     assert "no valid /joint_states within 0.2 s" in err and "kinema sim-robot" in err
 
 
-def test_deploy_refuses_a_robot_whose_controller_does_not_listen(capsys, monkeypatch):
-    """Joint states arrive but nothing subscribes to the command topic (a controller not loaded, or not active):
-    deploy says so and commands nothing, rather than streaming into the void for the whole episode."""
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "recording"])
+def test_deploy_refuses_a_robot_whose_controller_does_not_listen(capsys, monkeypatch, tmp_path, record):
+    """Joint states arrive but nothing subscribes to the command topic (a controller not loaded or not configured):
+    deploy says so and commands nothing, rather than streaming into the void for the whole episode. Its own
+    recorder, which listens to the commands too, does not count as the controller."""
     from kinema.cli import main
 
     monkeypatch.setenv("ROS_DOMAIN_ID", "0")  # deploy's inproc transport joins the default bus on domain 0
@@ -533,7 +535,8 @@ def test_deploy_refuses_a_robot_whose_controller_does_not_listen(capsys, monkeyp
         thread = threading.Thread(target=robot_loop)
         thread.start()
         try:
-            code = main(["deploy", "--policy", "scripted:zero", "--backend", "inproc", "--wait-robot", "0.5"])
+            code = main(["deploy", "--policy", "scripted:zero", "--backend", "inproc", "--wait-robot", "0.5",
+                         *(["--record", str(tmp_path / "rec")] if record else [])])
         finally:
             stop.set()
             thread.join(10)

@@ -42,7 +42,7 @@ def test_each_method_reproduces_its_recorded_round(tmp_path: Path, name: str):
 @pytest.mark.slow
 def test_the_same_run_twice_in_one_process_writes_the_same_videos_and_trains_the_same_weights(tmp_path: Path):
     """Reproducibility, which the recorded rounds above rely on: the demos' and rollouts' videos are byte-identical
-    (x264's mb-tree made them differ one run in five, and the SFT on their frames with them), and so is what trained."""
+    (with x264's mb-tree on they were not, nor was the SFT on their frames), and so is what trained."""
     torch.set_num_threads(1)
     first, second = run_method("habc", tmp_path / "a"), run_method("habc", tmp_path / "b")
     videos = {p.relative_to(tmp_path / "a"): p.read_bytes() for p in sorted((tmp_path / "a").rglob("*.mp4"))}

@@ -96,9 +96,9 @@ class VideoEncoding:
     preset: str = "medium"
     pix_fmt: str = "yuv420p"
     threads: int = 1
-    # libx264 only. Its macroblock-tree rate control encoded the same frames to different videos within one process
-    # (one run in five of a tiny `kinema train`), so training on the decoded frames was not reproducible; without it,
-    # encoding is.
+    # libx264 only. Its macroblock-tree rate control is not deterministic within a process (the same frames encode to
+    # different videos), so training on the decoded frames would not be reproducible; without it, encoding is
+    # (benchmarks/RESULTS.md, "Runs are reproducible again").
     x264_params: str = "mbtree=0"
 
     def extra_options(self) -> dict[str, str]:

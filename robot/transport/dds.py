@@ -504,7 +504,6 @@ class DDSPublisher(Publisher):
             raise ValueError(f"cannot encode {self.msg_type.ros_type} for {self.topic!r}: {e}{cause}") from e
 
     def subscription_count(self) -> int:
-        """Matched subscriptions, local and remote (rclpy's `get_subscription_count`)."""
         return 0 if self._writer is None else len(self._writer.get_matched_subscriptions())
 
     def close(self) -> None:

@@ -35,9 +35,17 @@ class InprocBus:
                 f"topic {key[1]!r} already carries {known.ros_type}, not {msg_type.ros_type}"
             )
 
+    def _reached(self, key: tuple[int, str], qos: QoS) -> list[_InprocSubscription]:
+        """The subscriptions a publisher with `qos` on `key` reaches; under the lock."""
+        return [s for s in self._subs[key] if qos_compatible(qos, s.qos)]
+
+    def matching(self, key: tuple[int, str], qos: QoS) -> int:
+        with self._lock:
+            return len(self._reached(key, qos))
+
     def deliver(self, key: tuple[int, str], msg: Any, qos: QoS) -> None:
         with self._lock:
-            subs = [s for s in self._subs[key] if qos_compatible(qos, s.qos)]
+            subs = self._reached(key, qos)
             if qos.transient_local:
                 self._latched[key] = copy.deepcopy(msg)
         for sub in subs:
@@ -49,10 +57,6 @@ class InprocBus:
             last = self._latched.get(key) if sub.qos.transient_local else None
         if last is not None:
             sub._deliver(copy.deepcopy(last))
-
-    def matched(self, key: tuple[int, str], qos: QoS) -> int:
-        with self._lock:
-            return sum(qos_compatible(qos, s.qos) for s in self._subs[key])
 
     def remove(self, key: tuple[int, str], sub: _InprocSubscription) -> None:
         with self._lock:
@@ -81,7 +85,9 @@ class _InprocPublisher(Publisher):
         self._transport.bus.deliver((self._transport.domain_id, self.topic), msg, self.qos)
 
     def subscription_count(self) -> int:
-        return self._transport.bus.matched((self._transport.domain_id, self.topic), self.qos)
+        if self._transport._closed:
+            return 0
+        return self._transport.bus.matching((self._transport.domain_id, self.topic), self.qos)
 
 
 class _InprocSubscription(Subscription):
