@@ -323,6 +323,9 @@ def load_config(
                 if prefix not in valid or leaf not in valid[prefix]:
                     level = valid.get(prefix, valid[""])
                     raise ValueError(f"unknown config key {dotted!r} on the command line; valid keys here: {', '.join(level)}")
+                if f"{dotted}." in valid:  # draccus would fail on it with a message that names neither key nor fix
+                    keys = ", ".join(f"--{dotted}.{k}" for k in valid[f"{dotted}."])
+                    raise ValueError(f"--{dotted} is a group of config keys, not one value; set its keys: {keys}")
         return _parse(config_class, config_path, overrides)
 
 

@@ -140,6 +140,11 @@ def test_unknown_config_keys_list_the_valid_ones(tmp_path: Path):
         load_config(str(bad))
     with pytest.raises(ValueError, match="rl.method .ppo. is not known; valid: habc, sft_continued, awr, flow_ppo"):
         load_config(None, ["--rl.method", "ppo"])
+    # A group given a value (the benchmark's `--demos scripted` passed to `kinema train`) names the group's keys.
+    with pytest.raises(ValueError, match=r"--demos is a group of config keys, not one value; set its keys: --demos.episodes, .*--demos.source"):
+        load_config(None, ["--demos", "scripted", "--demos.source", "scripted"])
+    with pytest.raises(ValueError, match=r"--rl.habc is a group of config keys"):
+        load_config(None, ["--rl.habc=1"])
     result = kinema("train", "--rl.roundz", "3")
     assert result.returncode == 2 and "valid keys here" in result.stderr and "Traceback" not in result.stderr
 
