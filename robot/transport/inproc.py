@@ -39,7 +39,7 @@ class InprocBus:
         """The subscriptions a publisher with `qos` on `key` reaches; under the lock."""
         return [s for s in self._subs[key] if qos_compatible(qos, s.qos)]
 
-    def matching(self, key: tuple[int, str], qos: QoS) -> int:
+    def match_count(self, key: tuple[int, str], qos: QoS) -> int:
         with self._lock:
             return len(self._reached(key, qos))
 
@@ -87,7 +87,7 @@ class _InprocPublisher(Publisher):
     def subscription_count(self) -> int:
         if self._transport._closed:
             return 0
-        return self._transport.bus.matching((self._transport.domain_id, self.topic), self.qos)
+        return self._transport.bus.match_count((self._transport.domain_id, self.topic), self.qos)
 
 
 class _InprocSubscription(Subscription):
