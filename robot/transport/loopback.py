@@ -6,12 +6,14 @@
 - any rmw on ROS 2 Humble: ROS_LOCALHOST_ONLY=1;
 - any rmw on ROS 2 Jazzy and later: ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, with no static peers. For
   rmw_fastrtps_cpp (ROS 2's default) that means: no multicast, discovery by unicast to 127.0.0.1's participant ports
-  only, and shared memory or UDP between the processes found that way (all of them on this machine);
-- Fast DDS's own ways around that range: a discovery server (ROS_DISCOVERY_SERVER, ROS2_EASY_MODE) and XML profiles
-  that may name peers on other hosts (FASTDDS_DEFAULT_PROFILES_FILE and the like, DEFAULT_FASTDDS_PROFILES.xml in the
-  working directory): emptied, removed (`UNPINNED_VARIABLES`) or skipped (SKIP_DEFAULT_XML_FILE=1).
+  only, between processes found that way (all of them on this machine);
+- Fast DDS: its default profile is the shipped loopback file (FASTDDS_DEFAULT_PROFILES_FILE =
+  `FASTDDS_LOOPBACK_PROFILE`: UDP on 127.0.0.1 only, with socket buffers large enough for camera frames); its other
+  ways around the range, a discovery server (ROS_DISCOVERY_SERVER, ROS2_EASY_MODE) and other XML profiles that may name peers on other hosts
+  (FASTRTPS_DEFAULT_PROFILES_FILE, FASTDDS_ENVIRONMENT_FILE, DEFAULT_FASTDDS_PROFILES.xml in the working directory),
+  are emptied, removed (`UNPINNED_VARIABLES`) or skipped (SKIP_DEFAULT_XML_FILE=1).
 With `rmw=True` it also selects rmw_cyclonedds_cpp where it is installed (tests), so that the loopback XML is what
-rclpy runs on; elsewhere rclpy runs on its default rmw, pinned by the discovery range above.
+rclpy runs on; elsewhere rclpy runs on its default rmw, pinned by the discovery range and the profile above.
 
 Used by `kinema deploy/sim-robot --local` (before rclpy.init), tests/conftest.py, the launch files' additional_env
 and the benchmark's child processes. Imports nothing but the standard library and robot.paths (launch files and
@@ -28,12 +30,13 @@ from pathlib import Path
 from robot.paths import assets_dir
 
 LOOPBACK_CONFIG: Path = assets_dir() / "dds" / "cyclonedds_loopback.xml"
+FASTDDS_LOOPBACK_PROFILE: Path = assets_dir() / "dds" / "fastdds_loopback.xml"
 RMW_CYCLONEDDS = "rmw_cyclonedds_cpp"
 
 
-# Fast DDS reads these files for profiles and environment values, which may name peers or servers on other hosts;
-# only their presence matters, so pinning removes them (launch files, which can only set variables, cannot).
-UNPINNED_VARIABLES = ("FASTDDS_DEFAULT_PROFILES_FILE", "FASTRTPS_DEFAULT_PROFILES_FILE", "FASTDDS_ENVIRONMENT_FILE")
+# Fast DDS also reads these files for profiles and environment values, which may name peers or servers on other
+# hosts; only their presence matters, so pinning removes them (launch files, which can only set variables, cannot).
+UNPINNED_VARIABLES = ("FASTRTPS_DEFAULT_PROFILES_FILE", "FASTDDS_ENVIRONMENT_FILE")
 
 
 def rmw_installed(name: str) -> bool:
@@ -50,7 +53,9 @@ def loopback_variables(*, rmw: bool = False) -> dict[str, str]:
         "ROS_LOCALHOST_ONLY": "1",
         "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST",
         "ROS_STATIC_PEERS": "",  # a user's static peers could name another host
-        # Fast DDS: no discovery server (empty means none), no profiles file from the working directory.
+        # Fast DDS: our loopback profile, no discovery server (empty means none), no profiles file from the working
+        # directory.
+        "FASTDDS_DEFAULT_PROFILES_FILE": str(FASTDDS_LOOPBACK_PROFILE.resolve()),
         "ROS_DISCOVERY_SERVER": "",
         "ROS2_EASY_MODE": "",
         "SKIP_DEFAULT_XML_FILE": "1",
@@ -82,6 +87,6 @@ def pin_to_loopback(*, rmw: bool = False) -> None:
 
 
 __all__ = [
-    "LOOPBACK_CONFIG", "RMW_CYCLONEDDS", "UNPINNED_VARIABLES", "loopback_environment", "loopback_variables",
+    "FASTDDS_LOOPBACK_PROFILE", "LOOPBACK_CONFIG", "RMW_CYCLONEDDS", "UNPINNED_VARIABLES", "loopback_environment", "loopback_variables",
     "pin_to_loopback", "rmw_installed",
 ]
