@@ -2,7 +2,8 @@
 
 The environment is pinned to loopback by the one function that does it everywhere
 (`robot.transport.loopback.pin_to_loopback`: CycloneDDS loopback XML, ROS_LOCALHOST_ONLY=1,
-ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, Fast DDS's discovery servers and profile files turned off, and
+ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, Fast DDS on the shipped loopback profile with its discovery servers and
+other profile files turned off, and
 rmw_cyclonedds_cpp for rclpy where it is installed, else rclpy's Fast DDS under the discovery range), and
 ROS_DOMAIN_ID is random per session so that concurrent test runs on one machine do not see each other. Both are set
 in os.environ at import time, before any test module creates a participant, so child processes inherit them.

@@ -7,11 +7,13 @@
 - any rmw on ROS 2 Jazzy and later: ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST, with no static peers. For
   rmw_fastrtps_cpp (ROS 2's default) that means: no multicast, discovery by unicast to 127.0.0.1's participant ports
   only, between processes found that way (all of them on this machine);
-- Fast DDS: its default profile is the shipped loopback file (FASTDDS_DEFAULT_PROFILES_FILE =
-  `FASTDDS_LOOPBACK_PROFILE`: UDP on 127.0.0.1 only, with socket buffers large enough for camera frames); its other
-  ways around the range, a discovery server (ROS_DISCOVERY_SERVER, ROS2_EASY_MODE) and other XML profiles that may name peers on other hosts
-  (FASTRTPS_DEFAULT_PROFILES_FILE, FASTDDS_ENVIRONMENT_FILE, DEFAULT_FASTDDS_PROFILES.xml in the working directory),
-  are emptied, removed (`UNPINNED_VARIABLES`) or skipped (SKIP_DEFAULT_XML_FILE=1).
+- Fast DDS 3 (ROS 2 Kilted and later): its default profile is the shipped loopback file
+  (FASTDDS_DEFAULT_PROFILES_FILE = `FASTDDS_LOOPBACK_PROFILE`: UDP on 127.0.0.1 only, with 1 MiB socket buffers for
+  camera frames). Fast DDS 2 (Humble, Jazzy) reads FASTRTPS_DEFAULT_PROFILES_FILE instead, which is removed: there
+  the discovery range alone keeps it local, on default buffers (not tested: no such rmw here). Fast DDS's other ways
+  around the range, a discovery server (ROS_DISCOVERY_SERVER, ROS2_EASY_MODE) and other XML profiles that may name
+  peers on other hosts (FASTRTPS_DEFAULT_PROFILES_FILE, FASTDDS_ENVIRONMENT_FILE, DEFAULT_FASTDDS_PROFILES.xml in
+  the working directory), are emptied, removed (`UNPINNED_VARIABLES`) or skipped (SKIP_DEFAULT_XML_FILE=1).
 With `rmw=True` it also selects rmw_cyclonedds_cpp where it is installed (tests), so that the loopback XML is what
 rclpy runs on; elsewhere rclpy runs on its default rmw, pinned by the discovery range and the profile above.
 
@@ -87,6 +89,6 @@ def pin_to_loopback(*, rmw: bool = False) -> None:
 
 
 __all__ = [
-    "FASTDDS_LOOPBACK_PROFILE", "LOOPBACK_CONFIG", "RMW_CYCLONEDDS", "UNPINNED_VARIABLES", "loopback_environment", "loopback_variables",
-    "pin_to_loopback", "rmw_installed",
+    "FASTDDS_LOOPBACK_PROFILE", "LOOPBACK_CONFIG", "RMW_CYCLONEDDS", "UNPINNED_VARIABLES", "loopback_environment",
+    "loopback_variables", "pin_to_loopback", "rmw_installed",
 ]
