@@ -70,7 +70,8 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
     deploy.add_argument("--duration", type=float, default=60.0, help="seconds per episode at most")
     deploy.add_argument(
         "--wait-robot", type=float, default=20.0,
-        help="seconds to wait for the first /joint_states, and then as long for the controller to subscribe to the commands",
+        help="seconds to wait for the first /joint_states, and then as long for the controller to subscribe to the "
+        "commands",
     )
 
     simr = sub.add_parser(
