@@ -19,8 +19,10 @@ then branches from that same checkpoint and the same demonstrations, through the
     flow_ppo_gae   the same with PPO's critic (GAE advantages) instead of GRPO groups, πRL's other arm
     nft            DiffusionNFT on the action expert: failed rollouts as negatives, not only successes as positives
                    (our application of NFT to the VLA)
+    nft_speed      NFT with a success in T steps rewarded γ^(T−1) (γ = 0.98) instead of 1: faster successes count more
     pa_rl          policy-agnostic RL: rollouts execute the chunk critic's pick among 8 sampled chunks; the picks are
                    distilled into the policy (evaluated at N = 1, the fair comparison)
+    pa_rl_refine   the same with PA-RL's local step (3 gradient steps up the critic per sampled chunk) and γ = 0.97
     dsrl           diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen
     hg_dagger      HG-DAgger, the control of the habc_hil arms: the same simulated human, its takeovers imitated
                    beside the demos at weight 1, aggregated over rounds
@@ -108,7 +110,11 @@ METHODS: dict[str, list[str]] = {
     "habc_nogate": ["--rl.method", "habc", "--rl.habc.gate", "fixed_mix"],
     "habc_nocredit": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_credit", "false"],
     "nft": ["--rl.method", "nft"],
+    # our variant: a success in T steps earns gamma^(T-1), so a faster success counts more within the round
+    "nft_speed": ["--rl.method", "nft", "--rl.nft.reward", "discounted"],
     "pa_rl": ["--rl.method", "pa_rl"],
+    # PA-RL's local step: each sampled chunk climbs the critic before the choice; a shorter horizon (gamma 0.97)
+    "pa_rl_refine": ["--rl.method", "pa_rl", "--rl.pa_rl.refine_steps", "3", "--rl.pa_rl.gamma", "0.97"],
     "dsrl": ["--rl.method", "dsrl"],
     # the control of the human-in-the-loop arms: the same simulated human and takeover budget (the default monitor,
     # as habc_hil and habc_hil_ir), imitating the demos plus the human's segments of every round, no credit weighting

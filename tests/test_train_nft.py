@@ -82,6 +82,21 @@ def test_nft_credit_is_each_rollouts_outcome_advantage_and_weighs_every_episode_
     np.testing.assert_allclose(np.concatenate(r_same), 0.5)  # no contrast in the round: hold where the sampler is
 
 
+def test_nft_discounted_reward_ranks_a_faster_success_above_a_slower_one():
+    """rl.nft.reward discounted: a success in T steps earns γ^(T−1), so in one round the 20-step success gets the
+    larger weight, the 60-step one less, the failure least; with the outcome reward (γ = 1) the two successes tie."""
+    episodes = [episode(True, 20), episode(True, 60), episode(False, 100)]
+    r, _, _ = nft_step_weights(episodes, adv_clip_max=5.0, gamma=0.98)
+    rewards = np.array([0.98**19, 0.98**59, 0.0])
+    expected = np.clip((rewards - rewards.mean()) / (rewards.std() + 1e-4) / 5.0, -1, 1) / 2 + 0.5
+    np.testing.assert_allclose([x[0] for x in r], expected, rtol=1e-4)
+    assert r[0][0] > r[1][0] > r[2][0]
+    r_outcome, _, _ = nft_step_weights(episodes, adv_clip_max=5.0)
+    assert r_outcome[0][0] == pytest.approx(r_outcome[1][0])
+    with pytest.raises(ValueError, match="rl.nft.reward 'speed' is not known; valid: outcome, discounted"):
+        load_config(None, ["--rl.method", "nft", "--rl.nft.reward", "speed"])
+
+
 def test_nft_actor_update_moves_towards_successful_chunks_and_away_from_failed_ones():
     """A known answer: replay holds one observation with two recorded chunks, +0.8 (success) and −0.8 (failure).
     After NFT updates (no demos) the policy's chunks for it lie nearer the success than before, and nearer it than

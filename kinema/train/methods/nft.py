@@ -1,6 +1,9 @@
 """`rl.method nft`: DiffusionNFT on the VLA's action expert (our application of it to the VLA; the loss as the
 official code). Every rollout of the round trains: a success towards its chunks, a failure away from them, by
-r = clip(A / A_max)/2 + ½ of its outcome advantage within the round. On-policy: the newest round only."""
+r = clip(A / A_max)/2 + ½ of its outcome advantage within the round. On-policy: the newest round only.
+
+`rl.nft.reward discounted` (ours) rewards a success by γ^(steps − 1) instead of 1, so that within a round a faster
+success counts more than a slower one: the only signal the episode outcome gives for speed."""
 
 from __future__ import annotations
 
@@ -18,15 +21,24 @@ from kinema.train.actor import ActorLoss
 from kinema.train.methods.base import RLMethod
 
 
+NFT_REWARDS = ("outcome", "discounted")
+
+
 @dataclass
 class NFTOptions:
     beta: float = 1.0  # DiffusionNFT's β: how far the implicit positive and negative policies sit from the old one
     adv_clip_max: float = 5.0  # A_max: advantages are clipped to ±A_max before r = clip(A / A_max)/2 + ½
+    reward: str = "outcome"  # outcome: 1 success, 0 failure (as DiffusionNFT) | discounted: gamma^(steps-1) per success (ours)
+    gamma: float = 0.98  # per env step, for reward discounted
 
     def __post_init__(self) -> None:
         for name in ("beta", "adv_clip_max"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"rl.nft.{name} must be > 0; got {getattr(self, name)}")
+        if self.reward not in NFT_REWARDS:
+            raise ValueError(f"rl.nft.reward {self.reward!r} is not known; valid: {', '.join(NFT_REWARDS)}")
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"rl.nft.gamma must be in (0, 1]; got {self.gamma}")
 
 
 class NFT(RLMethod):
@@ -45,7 +57,8 @@ class NFT(RLMethod):
 
     def update(self, rollouts, record, progress) -> None:
         o = self.options
-        r_per_step, sampling, diag = nft_step_weights(rollouts.episodes, adv_clip_max=o.adv_clip_max)
+        r_per_step, sampling, diag = nft_step_weights(rollouts.episodes, adv_clip_max=o.adv_clip_max,
+                                                   gamma=o.gamma if o.reward == "discounted" else 1.0)
         old = copy.deepcopy(self.learner.acting).requires_grad_(False).eval()
         loss = nft_actor_loss(old, np.concatenate(r_per_step), beta=o.beta, adv_clip_max=o.adv_clip_max)
         record.update(diag)
@@ -66,15 +79,18 @@ def nft_actor_loss(old, r_replay: np.ndarray, *, beta: float, adv_clip_max: floa
     return loss
 
 
-def nft_step_weights(episodes: Sequence[Episode], *, adv_clip_max: float) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, float]]:
-    """DiffusionNFT's credit for one round of rollouts: each episode's outcome advantage within the round (one GRPO
-    group: the rollouts have distinct seeds), mapped to NFT's positive-branch weight r = clip(A / A_max)/2 + ½ for
+def nft_step_weights(
+    episodes: Sequence[Episode], *, adv_clip_max: float, gamma: float = 1.0
+) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, float]]:
+    """DiffusionNFT's credit for one round of rollouts: each episode's reward advantage within the round (one GRPO
+    group: the rollouts have distinct seeds), the reward γ^(T − 1) for a success in T steps (1 at γ = 1) and 0 for
+    a failure, mapped to NFT's positive-branch weight r = clip(A / A_max)/2 + ½ for
     every step of the episode, and sampling weights 1 / length so that each episode weighs the same (failures run
     to the horizon, 2-5x longer than successes: drawn per step, most of the objective would be failures').
 
     Returns (r per step, sampling weight per step, diagnostics), both aligned with the episodes.
     """
-    rewards = torch.tensor([float(ep.outcome) for ep in episodes])
+    rewards = torch.tensor([gamma ** ((ep.steps_to_success or len(ep)) - 1) if ep.outcome else 0.0 for ep in episodes])
     adv = grpo_advantages(rewards, torch.zeros(len(episodes), dtype=torch.long), degenerate="keep").advantages
     r = nft_weight(adv, adv_clip_max=adv_clip_max).numpy()
     per_step_r = [np.full(len(ep), r[i], dtype=np.float32) for i, ep in enumerate(episodes)]
