@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_train_ppo import tiny_policy
 
+from kinema import common
 from kinema.train.evaluate import evaluate, paired_difference
 
 torch.set_num_threads(1)
@@ -114,3 +115,43 @@ def test_a_checkpoints_inference_noise_scale_is_how_it_acts_alone_and_deploy_can
     del config["inference_noise_scale"]
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     assert load_policy(str(tmp_path / "ckpt")).config.inference_noise_scale == 1.0
+
+
+def test_rollout_noise_scale_zero_makes_the_rounds_rollouts_act_from_zero_noise(tmp_path):
+    """`rl.rollout_noise_scale 0`: a round's rollouts start every chunk from zero noise. Round 1 acts with the SFT
+    weights, so each rollout's first actions are the SFT checkpoint's zero-noise chunk for its first observation
+    (sampled noise, the default, would give other actions)."""
+    import subprocess
+    import sys
+
+    from method_regression import TINY
+
+    from diffusion_rl.data.lerobot_v3 import read_episodes
+    from kinema.train.config import TrainConfig
+    from policies import load_policy
+
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "kinema.cli", "train", *TINY, "--rl.method", "sft_continued", "--out", str(run)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    # sft_continued does not roll out; habc does, from the same SFT checkpoint
+    done = subprocess.run([sys.executable, "-m", "kinema.cli", "train", *TINY, "--rl.method", "habc", "--rl.habc.critic_steps", "2",
+                           "--rl.rollout_noise_scale", "0", "--init_policy", str(run / "checkpoints" / "sft"),
+                           "--dataset", str(run / "demos"), "--out", str(tmp_path / "habc")],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    policy = load_policy(run / "checkpoints" / "sft").eval()
+    episodes = read_episodes(tmp_path / "habc" / "rollouts" / "round-001")
+    assert len(episodes) == 4
+    for ep in episodes:
+        batch = {k: torch.from_numpy(np.array(v[:1])) for k, v in ep.observations.items()} | {"task": [ep.task]}
+        with torch.no_grad():
+            chunk = policy.predict_action_chunk(batch, noise=torch.zeros(1, policy.config.chunk_size, ep.action.shape[1]))
+        n = policy.config.n_action_steps
+        # within batch-of-4 against batch-of-1 float differences (~0.01); a sampled chunk differs by ~0.5
+        np.testing.assert_allclose(ep.action[:n], chunk[0, :n].clamp(-1, 1).numpy(), atol=0.03)
+    for method in ("dsrl", "flow_ppo"):
+        with pytest.raises(ValueError, match=f"rl.method {method}.*rl.rollout_noise_scale must be 1"):
+            common.load_config(None, ["--rl.method", method, "--rl.rollout_noise_scale", "0.5"], config_class=TrainConfig)
+    with pytest.raises(ValueError, match="rl.rollout_noise_scale scales the VLA's initial flow noise"):
+        common.load_config(None, ["--rl.rollout_noise_scale", "-1"], config_class=TrainConfig)

@@ -99,8 +99,10 @@ class RLMethod:
 
     # -- a round -------------------------------------------------------------------------------------------------------
     def rollout_plan(self, first_seed: int) -> tuple[list[int], ChunkPolicy]:
-        """The round's seeds and the runner that acts: distinct seeds, the acting policy's ODE chunks."""
-        return list(range(first_seed, first_seed + self.cfg.rl.episodes_per_round)), ChunkPolicy(self.learner.acting)
+        """The round's seeds and the runner that acts: distinct seeds, the acting policy's ODE chunks (from initial
+        noise scaled by `rl.rollout_noise_scale`)."""
+        runner = ChunkPolicy(self.learner.acting, noise_scale=self.cfg.rl.rollout_noise_scale)
+        return list(range(first_seed, first_seed + self.cfg.rl.episodes_per_round)), runner
 
     def roll_out(self, round_index: int, record: dict[str, Any], progress: RunProgress) -> Rollouts | None:
         cfg = self.cfg

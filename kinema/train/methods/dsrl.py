@@ -60,6 +60,8 @@ class DSRL(RLMethod):
     def check_config(cls, cfg) -> None:
         if cfg.rl.interventions:
             raise ValueError("rl.method dsrl learns from autonomous rollouts only; set rl.interventions false (or use habc)")
+        if cfg.rl.rollout_noise_scale != 1.0:
+            raise ValueError(f"rl.method dsrl's actor chooses the rollouts' initial noise; rl.rollout_noise_scale must be 1, got {cfg.rl.rollout_noise_scale}")
 
     def __init__(self, learner) -> None:
         super().__init__(learner)

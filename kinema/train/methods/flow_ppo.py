@@ -73,6 +73,11 @@ class FlowPPO(RLMethod):
             self.learner.policy, self.learner.optimizer, lr=self.options.lr or self.cfg.rl.lr, expert_only=self.options.expert_only
         )
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.rl.rollout_noise_scale != 1.0:
+            raise ValueError(f"rl.method flow_ppo's rollouts sample its Flow-SDE from sampled noise; rl.rollout_noise_scale must be 1, got {cfg.rl.rollout_noise_scale}")
+
     def rollout_plan(self, first_seed: int):
         per_seed = self.options.group_size if self.options.advantage == "grpo" else 1
         seeds = [first_seed + j // per_seed for j in range(self.cfg.rl.episodes_per_round)]

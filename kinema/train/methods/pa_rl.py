@@ -89,7 +89,7 @@ class PARL(RLMethod):
     def rollout_plan(self, first_seed: int):
         o = self.options
         runner = SelectChunkPolicy(self.learner.acting, self.critic, num_samples=o.num_samples, refine_steps=o.refine_steps,
-                                   step_size=o.refine_step_size, record=True)  # fmt: skip
+                                   step_size=o.refine_step_size, noise_scale=self.cfg.rl.rollout_noise_scale, record=True)  # fmt: skip
         return list(range(first_seed, first_seed + self.cfg.rl.episodes_per_round)), runner
 
     def update(self, rollouts, record, progress) -> None:
