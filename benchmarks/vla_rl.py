@@ -8,6 +8,8 @@ then branches from that same checkpoint and the same demonstrations, through the
     awr            single-critic advantage-weighted regression
     habc           hierarchical advantage weighting (viability + efficiency, gated)
     habc_mc        HABC with Monte-Carlo efficiency targets (our variant)
+    habc_n05       HABC with the rollouts' initial flow noise halved (`rl.rollout_noise_scale 0.5`, ours): more
+                   successes a round to learn from
     habc_pooled    HABC's loss as written: demos and credit-weighted rollouts in one pool (the habc arm draws half of
                    each batch from the demos)
     habc_hil       HABC with the simulated human in the loop
@@ -19,7 +21,8 @@ then branches from that same checkpoint and the same demonstrations, through the
     flow_ppo_gae   the same with PPO's critic (GAE advantages) instead of GRPO groups, πRL's other arm
     nft            DiffusionNFT on the action expert: failed rollouts as negatives, not only successes as positives
                    (our application of NFT to the VLA)
-    nft_speed      NFT with a success in T steps rewarded γ^(T−1) (γ = 0.98) instead of 1: faster successes count more
+    nft_speed      NFT with a success in T steps rewarded γ^(T−1) (γ = 0.98) instead of 1: faster successes count
+                   more (ours)
     pa_rl          policy-agnostic RL: rollouts execute the chunk critic's pick among 8 sampled chunks; the picks are
                    distilled into the policy (evaluated at N = 1, the fair comparison)
     pa_rl_refine   the same with PA-RL's local step (3 gradient steps up the critic per sampled chunk) and γ = 0.97
@@ -101,6 +104,8 @@ METHODS: dict[str, list[str]] = {
     # our variant: V_e regresses on observed steps-to-success instead of the paper's TD target
     "habc_mc": ["--rl.method", "habc", "--rl.habc.efficiency_target", "mc", "--rl.habc.value_scale", "50"],
     "habc_pooled": ["--rl.method", "habc", "--rl.replay_mixing", "pooled"],
+    # ours: rollouts from half the initial flow noise, nearer the policy's mode (more successes a round)
+    "habc_n05": ["--rl.method", "habc", "--rl.rollout_noise_scale", "0.5"],
     "habc_hil": ["--rl.method", "habc", "--rl.interventions", "true"],
     # the paper's best arm: human steps weighted by the gate (IR) after 3 rounds without
     "habc_hil_ir": [
