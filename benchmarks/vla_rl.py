@@ -42,8 +42,9 @@ Last line: one JSON object, one entry per method with success, heldout_success, 
 gain_over_sft (success points over SFT), each success with its standard error; `per_task.<task>` has per arm
 success, heldout_success, steps_to_success, cpu_minutes and demos_steps_ratio (the demonstrations' steps to success
 over the arm's: above 1, faster than its demonstrator), the demonstrations' own (`demos`), and
-best_rl_margin_over_control (the best RL arm's success minus sft_continued's, the arm in best_rl_arm), and
-eval_noise_scale (the initial noise every row was evaluated from: a reused SFT evaluated at another is evaluated
+best_rl_margin_over_control (the best RL arm's success minus sft_continued's, the arm in best_rl_arm),
+best_hil_margin_over_hg_dagger (the best human-in-the-loop arm's minus hg_dagger's, in best_hil_arm; each such arm
+also has paired_vs_hg_dagger), and eval_noise_scale (the initial noise every row was evaluated from: a reused SFT evaluated at another is evaluated
 again at the arms' on the same episodes, once; arms of one task and seed at different scales are refused);
 `_meta.task_run_minutes` is the wall time each task's runs took, summed (whether they ran at once or in turn), and
 `_meta.cpu_minutes_per_run` the CPU minutes per run of each arm (env workers included; unlike wall time, not
@@ -129,6 +130,8 @@ METHODS: dict[str, list[str]] = {
 BASELINES = ("sft", "sft_continued", "awr", "flow_ppo", "flow_ppo_gae")  # HABC's margin is over the best of these
 HEADLINE = ("sft_continued", "awr", "flow_ppo", "habc", "habc_hil")  # with sft, the arms --quick runs by default
 NOT_RL = ("sft", "sft_continued", "hg_dagger")  # imitation arms: best_rl_margin_over_control is over the others
+# RL arms with the simulated human: best_hil_margin_over_hg_dagger is over these, against HG-DAgger with the same human
+HIL_ARMS = tuple(m for m in METHODS if "--rl.interventions" in METHODS[m] and m not in NOT_RL)
 REGIMES = ("scripted", "teleop")  # demos.source of each regime's SFTs (--demos)
 
 QUICK = [
@@ -468,7 +471,7 @@ def regime_summary(
     rows: dict[str, dict[str, list]] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
     # Per arm, per-seed outcome differences (training templates) against SFT and against the control, pooled over
     # tasks and seeds: every arm of a task and seed is evaluated on the same seeds with seeded sampling noise.
-    paired: dict[str, dict[str, list[np.ndarray]]] = {m: {"sft": [], "sft_continued": []} for m in methods}
+    paired: dict[str, dict[str, list[np.ndarray]]] = {m: {"sft": [], "sft_continued": [], "hg_dagger": []} for m in methods}
     per_task: dict[str, dict[str, list]] = {}  # task -> method -> [train success] over seeds
     per_task_rows: dict[str, dict[str, dict[str, list]]] = {}  # task -> method -> the rows, per task
     demo_rows: dict[str, list[dict]] = {}  # task -> the demos record of each seed's start
@@ -504,6 +507,8 @@ def regime_summary(
                 paired[method]["sft"].append(paired_outcome_differences(sft, final, "train"))
                 if "sft_continued" in finals and method != "sft_continued":
                     paired[method]["sft_continued"].append(paired_outcome_differences(finals["sft_continued"], final, "train"))
+                if "hg_dagger" in finals and method in HIL_ARMS:  # the human-in-the-loop arms against their control
+                    paired[method]["hg_dagger"].append(paired_outcome_differences(finals["hg_dagger"], final, "train"))
                 takeovers = [r["rollout/takeover_rate"] for r in _records(run) if r.get("kind") == "round" and r.get("rollout/takeover_rate") is not None]
                 if "--rl.interventions" in METHODS[method] and len(takeovers) >= 2:
                     rows[method].setdefault("takeover", []).append((takeovers[0], takeovers[-1]))
@@ -520,7 +525,7 @@ def regime_summary(
             "steps_to_success": _mean([s for s in r["steps"] if s is not None]),
             "gain_over_sft": None if method == "sft" else _mean(r["gain"]),
         }
-        for against in ("sft", "sft_continued"):  # paired by evaluation seed: mean difference, its s.e., n
+        for against in ("sft", "sft_continued", "hg_dagger"):  # paired by evaluation seed: mean difference, its s.e., n
             diffs = np.concatenate(paired.get(method, {}).get(against) or [np.zeros(0)])
             if len(diffs) > 1:
                 entry[f"paired_vs_{against}"] = {"diff": round(float(diffs.mean()), 4), "n": len(diffs),
@@ -579,7 +584,8 @@ def regime_summary(
 def task_entry(rows: dict[str, dict[str, list]], demos: list[dict], cpu: dict[str, float]) -> dict:
     """One task's figures: per arm success, held-out success, steps to success (successful episodes), CPU minutes
     per run and the demonstrations' steps to success over the arm's (above 1: faster than its demonstrator); the
-    demonstrations' own; and the best RL arm's margin over the continued-SFT control."""
+    demonstrations' own; the best RL arm's margin over the continued-SFT control; and the best human-in-the-loop
+    arm's margin over HG-DAgger, their control."""
     demo_steps = _mean([d["steps_to_success"] for d in demos if d.get("steps_to_success")])
     out: dict = {"demos": {"success": _mean([d["success"] for d in demos if "success" in d]), "steps_to_success": demo_steps}}
     for arm, r in rows.items():
@@ -592,6 +598,11 @@ def task_entry(rows: dict[str, dict[str, list]], demos: list[dict], cpu: dict[st
         best = max(rl_arms, key=lambda a: out[a]["success"])
         out["best_rl_margin_over_control"] = round(out[best]["success"] - out["sft_continued"]["success"], 4)
         out["best_rl_arm"] = best
+    hil_arms = [a for a in rows if a in HIL_ARMS and out[a]["success"] is not None]
+    if "hg_dagger" in rows and out["hg_dagger"]["success"] is not None and hil_arms:
+        best = max(hil_arms, key=lambda a: out[a]["success"])
+        out["best_hil_margin_over_hg_dagger"] = round(out[best]["success"] - out["hg_dagger"]["success"], 4)
+        out["best_hil_arm"] = best
     return out
 
 

@@ -133,3 +133,26 @@ def test_demo_regimes_are_checked_before_any_run(tmp_path: Path):
     assert "--demos: 'scripted,human' is not a list of distinct regimes; valid: scripted, teleop" in refused("--demos", "scripted,human")
     assert "with several --demos regimes the start must name {regime}" in refused("--start", str(tmp_path / "{task}-s{seed}"))
     assert not (tmp_path / "bench").exists()
+
+
+def test_task_entry_gives_the_margins_over_each_control():
+    """best_rl_margin_over_control is over the RL arms only (not HG-DAgger, an imitation arm), and
+    best_hil_margin_over_hg_dagger over the human-in-the-loop arms only, against HG-DAgger with the same human."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vla_rl_benchmark", Path(__file__).resolve().parent.parent / "benchmarks" / "vla_rl.py")
+    vla_rl = sys.modules["vla_rl_benchmark"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(vla_rl)
+
+    def row(success: float) -> dict:
+        return {"success": [success], "heldout": [], "steps": [50.0], "gain": []}
+
+    rows = {"sft": row(0.2), "sft_continued": row(0.3), "habc": row(0.35), "hg_dagger": row(0.6), "habc_hil": row(0.5),
+            "habc_hil_ir": row(0.7)}  # fmt: skip
+    entry = vla_rl.task_entry(rows, [{"success": 1.0, "steps_to_success": 60.0}], {})
+    assert entry["best_rl_arm"] == "habc_hil_ir" and entry["best_rl_margin_over_control"] == pytest.approx(0.4)
+    assert entry["best_hil_arm"] == "habc_hil_ir" and entry["best_hil_margin_over_hg_dagger"] == pytest.approx(0.1)
+    assert entry["habc"]["demos_steps_ratio"] == pytest.approx(1.2)
+    del rows["hg_dagger"]
+    assert "best_hil_margin_over_hg_dagger" not in vla_rl.task_entry(rows, [], {})
+    assert set(vla_rl.HIL_ARMS) == {"habc_hil", "habc_hil_ir", "habc_nocredit"}
