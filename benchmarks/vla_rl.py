@@ -29,6 +29,10 @@ then branches from that same checkpoint and the same demonstrations, through the
     dsrl           diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen
     hg_dagger      HG-DAgger, the control of the habc_hil arms: the same simulated human, its takeovers imitated
                    beside the demos at weight 1, aggregated over rounds
+    sft_continued_rwr, habc_rwr, nft_speed_rwr
+                   the control, habc and nft_speed with the rounds drawing the demos reward-weighted by their steps to
+                   success (`rl.demo_weighting return`, ours; for demos of uneven speed); the RL arms also have
+                   paired_vs_sft_continued_rwr
 
 `pa_rl_selection` in the JSON is the pa_rl arm's policy with value-guided selection at N = 8 at inference (V-GPS),
 with its batch-1 `latency_ms` beside that of N = 1 (measured interleaved). Its first candidate is the chunk the arm
@@ -125,13 +129,20 @@ METHODS: dict[str, list[str]] = {
     # the control of the human-in-the-loop arms: the same simulated human and takeover budget (the default monitor,
     # as habc_hil and habc_hil_ir), imitating the demos plus the human's segments of every round, no credit weighting
     "hg_dagger": ["--rl.method", "hg_dagger", "--rl.interventions", "true"],
+    # ours, for demos of uneven speed: the rounds draw the demos reward-weighted by their steps to success
+    # (rl.demo_weighting return); its control imitates them so, its RL arms add their credit on the rollouts
+    "sft_continued_rwr": ["--rl.method", "sft_continued", "--rl.demo_weighting", "return"],
+    "habc_rwr": ["--rl.method", "habc", "--rl.demo_weighting", "return"],
+    "nft_speed_rwr": ["--rl.method", "nft", "--rl.nft.reward", "discounted", "--rl.demo_weighting", "return"],
 }
 
 BASELINES = ("sft", "sft_continued", "awr", "flow_ppo", "flow_ppo_gae")  # HABC's margin is over the best of these
 HEADLINE = ("sft_continued", "awr", "flow_ppo", "habc", "habc_hil")  # with sft, the arms --quick runs by default
-NOT_RL = ("sft", "sft_continued", "hg_dagger")  # imitation arms: best_rl_margin_over_control is over the others
+NOT_RL = ("sft", "sft_continued", "sft_continued_rwr", "hg_dagger")  # imitation arms: best_rl_margin_over_control is over the others
 # RL arms with the simulated human: best_hil_margin_over_hg_dagger is over these, against HG-DAgger with the same human
 HIL_ARMS = tuple(m for m in METHODS if "--rl.interventions" in METHODS[m] and m not in NOT_RL)
+# RL arms on return-weighted demos: each also has paired_vs_sft_continued_rwr, against imitation weighted alike
+RWR_ARMS = tuple(m for m in METHODS if "--rl.demo_weighting" in METHODS[m] and m not in NOT_RL)
 REGIMES = ("scripted", "teleop")  # demos.source of each regime's SFTs (--demos)
 
 QUICK = [
@@ -471,7 +482,7 @@ def regime_summary(
     rows: dict[str, dict[str, list]] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
     # Per arm, per-seed outcome differences (training templates) against SFT and against the control, pooled over
     # tasks and seeds: every arm of a task and seed is evaluated on the same seeds with seeded sampling noise.
-    paired: dict[str, dict[str, list[np.ndarray]]] = {m: {"sft": [], "sft_continued": [], "hg_dagger": []} for m in methods}
+    paired: dict[str, dict[str, list[np.ndarray]]] = {m: {"sft": [], "sft_continued": [], "sft_continued_rwr": [], "hg_dagger": []} for m in methods}
     per_task: dict[str, dict[str, list]] = {}  # task -> method -> [train success] over seeds
     per_task_rows: dict[str, dict[str, dict[str, list]]] = {}  # task -> method -> the rows, per task
     demo_rows: dict[str, list[dict]] = {}  # task -> the demos record of each seed's start
@@ -509,6 +520,8 @@ def regime_summary(
                     paired[method]["sft_continued"].append(paired_outcome_differences(finals["sft_continued"], final, "train"))
                 if "hg_dagger" in finals and method in HIL_ARMS:  # the human-in-the-loop arms against their control
                     paired[method]["hg_dagger"].append(paired_outcome_differences(finals["hg_dagger"], final, "train"))
+                if "sft_continued_rwr" in finals and method in RWR_ARMS:  # against imitation of the same weighted demos
+                    paired[method]["sft_continued_rwr"].append(paired_outcome_differences(finals["sft_continued_rwr"], final, "train"))
                 takeovers = [r["rollout/takeover_rate"] for r in _records(run) if r.get("kind") == "round" and r.get("rollout/takeover_rate") is not None]
                 if "--rl.interventions" in METHODS[method] and len(takeovers) >= 2:
                     rows[method].setdefault("takeover", []).append((takeovers[0], takeovers[-1]))
@@ -525,7 +538,7 @@ def regime_summary(
             "steps_to_success": _mean([s for s in r["steps"] if s is not None]),
             "gain_over_sft": None if method == "sft" else _mean(r["gain"]),
         }
-        for against in ("sft", "sft_continued", "hg_dagger"):  # paired by evaluation seed: mean difference, its s.e., n
+        for against in ("sft", "sft_continued", "sft_continued_rwr", "hg_dagger"):  # paired by evaluation seed: mean difference, its s.e., n
             diffs = np.concatenate(paired.get(method, {}).get(against) or [np.zeros(0)])
             if len(diffs) > 1:
                 entry[f"paired_vs_{against}"] = {"diff": round(float(diffs.mean()), 4), "n": len(diffs),

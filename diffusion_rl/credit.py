@@ -248,3 +248,23 @@ def segment_imitation_weights(
             raise ValueError(f"negative_weight must be < 0 for the negative variant; got {negative_weight}")
         w[segment == Segment.FAILURE_INDUCING] = negative_weight
     return w
+
+
+def return_weights(steps_to_success: Tensor, *, temperature: float) -> Tensor:
+    """Reward-weighted regression over successful episodes (ours, for demonstrations of uneven speed): episode e
+    with return R_e = −T_e (its steps to success) gets w_e = exp((R_e − max R)/τ), scaled to mean 1 over episodes.
+
+    `steps_to_success` (E,) > 0; `temperature` τ in steps: an episode k·τ steps slower than the fastest weighs
+    e^−k of it. Every step of an episode takes its episode's weight, so each episode's share of a per-step draw
+    is w_e·T_e (RWR's Σ_e w_e Σ_t log π(a_t | s_t)).
+    """
+    check_shape("steps_to_success", steps_to_success, (None,))
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (in steps); got {temperature}")
+    if steps_to_success.numel() == 0:
+        raise ValueError("return_weights needs at least one episode")
+    if bool((steps_to_success <= 0).any()):
+        raise ValueError("steps_to_success must be > 0 for every episode (only successful episodes are weighted)")
+    t = steps_to_success.double()
+    w = torch.exp(-(t - t.min()) / temperature)
+    return (w / w.mean()).float()

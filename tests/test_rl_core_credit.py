@@ -1,5 +1,7 @@
 """Episode batching and intervention-aware credit, on constructed Episodes with exact expected masks."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -233,3 +235,45 @@ def test_habc_step_honours_the_intervention_credit_switch(batch):
     torch.testing.assert_close(on.weights[kept].mean(), torch.tensor(1.0))
     on.critic_loss.backward()
     assert critic.viability.weight.grad is not None
+
+
+def test_return_weights_are_exp_of_minus_the_extra_steps_over_temperature_with_mean_one():
+    w = credit.return_weights(torch.tensor([20, 10, 30]), temperature=10.0)
+    expected = torch.tensor([math.exp(-1), 1.0, math.exp(-2)])
+    torch.testing.assert_close(w, (expected / expected.mean()).float())
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        credit.return_weights(torch.tensor([10]), temperature=0.0)
+    with pytest.raises(ValueError, match="steps_to_success must be > 0"):
+        credit.return_weights(torch.tensor([10, 0]), temperature=1.0)
+
+
+def test_return_weighted_demos_move_a_flow_onto_the_faster_demonstrators_mode():
+    """The bimodal toy as demonstrations of uneven speed: episodes at x = +2 take 10 steps to success, those at
+    x = −2 take 30. Drawn per step uniformly, the slow mode has 3/4 of the draws and the flow learns it; drawn
+    return-weighted (τ = 5 steps), the fast one holds ~95 % of them and the flow's mass moves there."""
+    from diffusion_rl import flow, toy
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([10, 30] * 20)  # 40 episodes, alternating fast (+2) and slow (−2)
+    centre = torch.where(lengths == 10, 2.0, -2.0)
+    step_episode = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    step_x = centre[step_episode, None] + toy.MODE_STD * torch.randn(len(step_episode), 1, generator=gen)
+
+    def mass_after_imitating(step_weights: torch.Tensor) -> float:
+        torch.manual_seed(0)
+        net = toy.ToyVelocityNet()
+        opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+        for _ in range(600):
+            x0 = step_x[torch.multinomial(step_weights, 256, replacement=True, generator=gen)]
+            noise = torch.randn(x0.shape, generator=gen)
+            t = flow.sample_time(256, generator=gen)
+            loss = flow.flow_matching_loss(net(flow.interpolate(x0, noise, t), t), flow.velocity_target(x0, noise))
+            opt.zero_grad()
+            loss.mean().backward()
+            opt.step()
+        return toy.evaluate_mass(net)
+
+    uniform = mass_after_imitating(torch.ones(len(step_episode)))
+    weighted = mass_after_imitating(credit.return_weights(lengths, temperature=5.0)[step_episode])
+    assert uniform == pytest.approx(0.25, abs=0.08)
+    assert weighted > 0.9

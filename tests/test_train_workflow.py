@@ -254,6 +254,64 @@ def test_actor_replay_mixing_fixed_share_or_pooled_by_weight(mixing, expected_sh
                       demo_fraction=0.5, aux_weight=0.0, rng=np.random.default_rng(0), mixing="sometimes")
 
 
+def test_return_weighted_demos_are_drawn_by_their_steps_to_success():
+    """rl.demo_weighting return, τ = 5: every step of a 10-step demo weighs e^4 times one of a 30-step demo, so the
+    slow demo's 30 steps get 30e^-4 / (10 + 30e^-4) = 5 % of the draws (uniform: 75 %)."""
+    import torch
+
+    from kinema.train.actor import actor_updates
+    from kinema.train.buffer import StepBuffer
+    from kinema.train.workflow import demo_step_weights
+    from policies.vla import VLAConfig
+
+    episodes = [_steps_episode(10, "open the drawer"), _steps_episode(30, "open the drawer")]
+    assert demo_step_weights(episodes, load_config(None, [])) == (None, {})
+    weights, stats = demo_step_weights(episodes, load_config(None, ["--rl.demo_weighting", "return", "--rl.demo_temperature", "5"]))
+    assert weights.shape == (40,) and np.allclose(weights[:10], weights[0]) and np.allclose(weights[10:], weights[10])
+    assert weights[0] / weights[10] == pytest.approx(np.exp(4))
+    assert stats["weighted_steps_to_success"] == pytest.approx((10 + 30 * np.exp(-4)) / (1 + np.exp(-4)))
+    assert stats["effective_episodes"] == pytest.approx((1 + np.exp(-4)) ** 2 / (1 + np.exp(-8)))
+
+    demos = StepBuffer.from_episodes(episodes, ("agentview", "wrist"))
+    drawn: list[int] = []
+    real_batch = demos.batch
+    demos.batch = lambda index, *a, **k: (drawn.extend(index.tolist()), real_batch(index, *a, **k))[1]
+    policy = VLAPolicy(VLAConfig(image_size=32, chunk_size=4, n_action_steps=2, num_flow_steps=2))
+    policy.set_normalization(demos.stats())
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    kwargs = dict(steps=40, batch_size=16, demos=demos, replay=None, replay_weights=None, demo_fraction=1.0,
+                  aux_weight=0.0)  # fmt: skip
+    actor_updates(policy, optimizer, rng=np.random.default_rng(0), demo_weights=weights, **kwargs)
+    slow_share = np.mean(np.array(drawn) >= 10)
+    assert slow_share == pytest.approx(30 * np.exp(-4) / (10 + 30 * np.exp(-4)), abs=0.03)
+    drawn.clear()
+    actor_updates(policy, optimizer, rng=np.random.default_rng(0), **kwargs)
+    assert np.mean(np.array(drawn) >= 10) == pytest.approx(0.75, abs=0.05)
+    with pytest.raises(ValueError, match="demo_weights has 3 entries for 40 demonstration steps"):
+        actor_updates(policy, optimizer, rng=np.random.default_rng(0), demo_weights=np.ones(3), **kwargs)
+
+
+@pytest.mark.slow
+def test_a_run_with_return_weighted_demos_says_what_the_rounds_imitate(tmp_path: Path):
+    """`kinema train --rl.demo_weighting return`: the demos record and the report give the weighted demos' steps to
+    success (no more than the demos' own) and their effective number of episodes."""
+    run = tmp_path / "run"
+    done = kinema("train", *TINY, "--rl.rounds", "1", "--rl.method", "sft_continued", "--rl.demo_weighting", "return",
+                  "--rl.demo_temperature", "3", "--eval.videos", "0", "--eval.heldout", "false", "--out", str(run))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    demos = next(r for r in records if r["kind"] == "demos")
+    assert demos["weighted_steps_to_success"] <= demos["steps_to_success"] and 1 <= demos["effective_episodes"] <= 4
+    assert f"{demos['effective_episodes']:.1f} effective episodes" in (run / "report.md").read_text()
+
+
+def test_unknown_demo_weighting_and_a_non_positive_temperature_are_refused():
+    with pytest.raises(ValueError, match="rl.demo_weighting 'fastest' is not known; valid: uniform, return"):
+        load_config(None, ["--rl.demo_weighting", "fastest"])
+    with pytest.raises(ValueError, match="rl.demo_temperature is in steps and must be > 0; got 0.0"):
+        load_config(None, ["--rl.demo_weighting", "return", "--rl.demo_temperature", "0"])
+
+
 def test_unknown_replay_mixing_is_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match="rl.replay_mixing 'sometimes' is not known; valid: fixed, pooled"):
         load_config(None, ["--rl.replay_mixing", "sometimes"])

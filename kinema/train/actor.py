@@ -35,6 +35,7 @@ def actor_updates(
     loss_fn: ActorLoss | None = None,
     train_mode: bool = True,
     on_step: Callable[[], None] | None = None,
+    demo_weights: np.ndarray | None = None,
 ) -> dict[str, float]:
     """Flow-matching updates on a mix of demonstrations (weight 1) and replay steps drawn ∝ their credit weight.
 
@@ -42,6 +43,8 @@ def actor_updates(
     loss over demos ∪ rollouts): demos and replay steps form one pool, a demo step counting 1 and a replay step its
     weight (the credit rules normalise kept weights to mean 1), so the replay share is W / (N_demo + W) and a
     handful of successes is not oversampled to half of every batch.
+
+    `demo_weights` (one per demonstration step; None: uniform) draws the demonstration steps ∝ weight.
 
     `loss_fn` replaces the flow-matching loss (e.g. DiffusionNFT's); `train_mode` False runs the policy in eval mode
     (no augmentation or state dropout), for losses that compare it with a frozen copy on the very same inputs.
@@ -66,6 +69,8 @@ def actor_updates(
         replay_share = 1.0 - demo_fraction
     probs = replay_weights / replay_weights.sum() if use_replay else None
     replay_rows: Any = len(replay) if use_replay else 0
+    if demo_weights is not None and len(demo_weights) != len(demos):
+        raise ValueError(f"demo_weights has {len(demo_weights)} entries for {len(demos)} demonstration steps")
     if world()[1] > 1:  # this rank's disjoint shard of the steps (single process: untouched, the same draws)
         imitable = shard(imitable)
         if use_replay:
@@ -73,6 +78,12 @@ def actor_updates(
             shard_weights = replay_weights[replay_rows]
             probs = shard_weights / shard_weights.sum() if shard_weights.sum() > 0 else None  # else uniform
         batch_size = local_batch_size(batch_size, "the actor batch size")
+    demo_probs = None
+    if demo_weights is not None:
+        w = np.asarray(demo_weights, dtype=np.float64)[imitable]
+        if not (w.sum() > 0) or (w < 0).any():
+            raise ValueError("demo_weights must be >= 0 with a positive sum over the imitable demonstration steps")
+        demo_probs = w / w.sum()
     n_experience = 0
     if replay is not None and len(replay) and hasattr(policy, "experience_loss") and policy.config.experience_fraction > 0:
         n_experience = max(1, int(round(batch_size * policy.config.experience_fraction)))
@@ -85,7 +96,7 @@ def actor_updates(
         else:
             n_replay = int(round(batch_size * replay_share))
         n_replay_total += n_replay
-        parts = [demos.batch(rng.choice(imitable, batch_size - n_replay), policy.config.chunk_size, future=future)] if n_replay < batch_size else []
+        parts = [demos.batch(rng.choice(imitable, batch_size - n_replay, p=demo_probs), policy.config.chunk_size, future=future)] if n_replay < batch_size else []
         replay_index = rng.choice(replay_rows, n_replay, p=probs) if n_replay else np.zeros(0, dtype=np.int64)
         if n_replay:
             parts.append(replay.batch(replay_index, policy.config.chunk_size, future=future))

@@ -37,6 +37,9 @@ class SFTConfig:
     aux_weight: float = 1.0  # weight of the privileged object-position head (0 disables)
 
 
+DEMO_WEIGHTINGS = ("uniform", "return")
+
+
 @dataclass
 class RLRoundOptions:
     """What every method's rounds share; each method's own options follow as groups (see `RLConfig`)."""
@@ -56,6 +59,10 @@ class RLRoundOptions:
     # The ODE sampler's initial noise in the rollouts, scaled: 1 sampled (as the methods specify); below 1 the rollouts
     # act nearer the policy's mode (ours: more successes per round to learn from, less spread between them).
     rollout_noise_scale: float = 1.0
+    # How the rounds draw demonstration steps: uniform | return (ours: reward-weighted regression over the demos, an
+    # episode demo_temperature steps slower than the fastest weighing 1/e of it; for demos of uneven speed).
+    demo_weighting: str = "uniform"
+    demo_temperature: float = 10.0
 
 
 # The options group of every registered method that has options: rl.habc, rl.awr, rl.ppo, rl.nft, ...
@@ -213,6 +220,10 @@ class TrainConfig:
         if self.rl.rollout_noise_scale < 0 or (self.rl.rollout_noise_scale != 1.0 and self.policy.type != "vla"):
             raise ValueError(f"rl.rollout_noise_scale scales the VLA's initial flow noise in the rollouts and must be >= 0 "
                              f"(1: sampled, 0: zero noise); got {self.rl.rollout_noise_scale} with policy.type {self.policy.type}")
+        if self.rl.demo_weighting not in DEMO_WEIGHTINGS:
+            raise ValueError(f"rl.demo_weighting {self.rl.demo_weighting!r} is not known; valid: {', '.join(DEMO_WEIGHTINGS)}")
+        if self.rl.demo_temperature <= 0:
+            raise ValueError(f"rl.demo_temperature is in steps and must be > 0; got {self.rl.demo_temperature}")
         if self.demos.source not in OPERATORS:
             raise ValueError(f"demos.source {self.demos.source!r} is not known; valid: {', '.join(OPERATORS)}")
         if self.demos.episodes < 1 and not self.dataset:

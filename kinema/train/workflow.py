@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from rich.console import Console
 
+from diffusion_rl.credit import return_weights
+from diffusion_rl.data import Episode
 from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.common import (
     STATE_FILE,
@@ -234,8 +236,9 @@ def _train(
     demo_buffer = StepBuffer.from_episodes(demos, cameras, image_size=cfg.policy.image_size)
     # The demonstrator's steps to success: what a policy that beats its demonstrator on efficiency is measured against.
     demo_steps = summarize(demos, "demos").steps_to_success
+    demo_weights, weighting = demo_step_weights(demos, cfg)
     run.log({"kind": "demos", "episodes": len(demos), "steps": len(demo_buffer), "success": demo_success,
-             "steps_to_success": demo_steps})  # fmt: skip
+             "steps_to_success": demo_steps, **weighting})  # fmt: skip
 
     # 3. Policy and SFT ------------------------------------------------------------------------------------------------
     aux_dim = demo_buffer.aux.shape[1] if (demo_buffer.aux is not None and cfg.sft.aux_weight > 0) else 0
@@ -267,7 +270,7 @@ def _train(
             model.config.inference_noise_scale = cfg.eval.noise_scale
     # The critics read the policy's features: their width is the policy's (a resumed one's, as saved).
     success_model = RolloutSuccessModel(policy.config.hidden_dim, seed=cfg.seed)
-    learner = Learner(cfg, run, policy, acting, optimizer, demo_buffer, rng, decay, success_model)
+    learner = Learner(cfg, run, policy, acting, optimizer, demo_buffer, rng, decay, success_model, demo_weights=demo_weights)
     method = method_class(learner)
     if distributed.world()[1] > 1:  # critics built alike on every rank; from here each draws its own augmentation and noise
         torch.manual_seed(cfg.seed + 7919 * distributed.world()[0])
@@ -345,6 +348,18 @@ def _train(
     console.print(summary_table(records))
     console.print(f"report: {run.root / 'report.md'}")
     return run.root
+
+
+def demo_step_weights(demos: list[Episode], cfg: TrainConfig) -> tuple[np.ndarray | None, dict[str, float]]:
+    """The rounds' weight of every demonstration step (`rl.demo_weighting`; None: uniform), and what the weighting
+    does: the demos' mean steps to success under the episode weights, and the effective number of episodes."""
+    if cfg.rl.demo_weighting == "uniform":
+        return None, {}
+    steps = torch.tensor([ep.steps_to_success or len(ep) for ep in demos])
+    w = return_weights(steps, temperature=cfg.rl.demo_temperature).double()
+    stats = {"weighted_steps_to_success": float((w * steps).sum() / w.sum()),
+             "effective_episodes": float(w.sum() ** 2 / (w**2).sum())}  # fmt: skip
+    return np.repeat(w.numpy(), [len(ep) for ep in demos]), stats
 
 
 def sft(learner: Learner, steps: int, *, aux_weight: float, progress: RunProgress, console: Console) -> None:

@@ -48,6 +48,7 @@ class Learner:
     decay: float  # of the acting average; 0: the acting policy is the trained one
     success_model: RolloutSuccessModel
     replay: list[list[Episode]] = field(default_factory=list)  # rollouts of the rounds kept, oldest first
+    demo_weights: np.ndarray | None = None  # the rounds' draw of demonstration steps (rl.demo_weighting); None: uniform
     env_steps: int = 0
     actor_step: int = 0
 
@@ -161,7 +162,7 @@ class RLMethod:
                 learner.policy, learner.optimizer, steps=rl.updates_per_round, batch_size=rl.batch_size,
                 demos=learner.demos, replay=replay, replay_weights=weights,
                 demo_fraction=rl.demo_fraction, aux_weight=0.0, rng=learner.rng, mixing=mixing or rl.replay_mixing,
-                loss_fn=loss_fn, train_mode=train_mode, on_step=step,
+                loss_fn=loss_fn, train_mode=train_mode, on_step=step, demo_weights=learner.demo_weights,
             ))  # fmt: skip
 
     # -- how its policy is evaluated -------------------------------------------------------------------------------------
