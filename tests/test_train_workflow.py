@@ -223,6 +223,23 @@ def _steps_episode(T: int, task: str) -> "Episode":
     )
 
 
+def _record_draws(buffer) -> list[int]:
+    """The step indices every minibatch draws from `buffer`, in order (the buffer still builds the batches)."""
+    drawn: list[int] = []
+    real_batch = buffer.batch
+    buffer.batch = lambda index, *a, **k: (drawn.extend(index.tolist()), real_batch(index, *a, **k))[1]
+    return drawn
+
+
+def _unmoving_policy(demos):
+    """A tiny VLA on the demos' normalisation with a learning rate of 0: the draws, not the updates, are tested."""
+    import torch
+
+    policy = VLAPolicy(VLAConfig(image_size=32, chunk_size=4, n_action_steps=2, num_flow_steps=2))
+    policy.set_normalization(demos.stats())
+    return policy, torch.optim.SGD(policy.parameters(), lr=0.0)
+
+
 @pytest.mark.parametrize("mixing, expected_share", [("fixed", 0.25), ("pooled", 5 / 45)])
 def test_actor_replay_mixing_fixed_share_or_pooled_by_weight(mixing, expected_share):
     """fixed: demo_fraction of each minibatch is demos. pooled (HABC's loss over demos ∪ rollouts): a demo step counts 1
@@ -230,20 +247,15 @@ def test_actor_replay_mixing_fixed_share_or_pooled_by_weight(mixing, expected_sh
     zero-weight replay step is never drawn."""
     import torch
 
-    from kinema.train.buffer import StepBuffer
     from kinema.train.actor import actor_updates
-    from policies.vla import VLAConfig
+    from kinema.train.buffer import StepBuffer
 
     torch.manual_seed(0)
     demos = StepBuffer.from_episodes([_steps_episode(40, "open the drawer")], ("agentview", "wrist"))
     replay = StepBuffer.from_episodes([_steps_episode(10, "open the drawer")], ("agentview", "wrist"))
     weights = np.array([2.0, 1.0, 1.0, 0.5, 0.5, 0, 0, 0, 0, 0], np.float32)
-    drawn: list[int] = []
-    real_batch = replay.batch
-    replay.batch = lambda index, *a, **k: (drawn.extend(index.tolist()), real_batch(index, *a, **k))[1]
-    policy = VLAPolicy(VLAConfig(image_size=32, chunk_size=4, n_action_steps=2, num_flow_steps=2))
-    policy.set_normalization(demos.stats())
-    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    drawn = _record_draws(replay)
+    policy, optimizer = _unmoving_policy(demos)
     stats = actor_updates(policy, optimizer, steps=60, batch_size=16, demos=demos, replay=replay, replay_weights=weights,
                           demo_fraction=0.75, aux_weight=0.0, rng=np.random.default_rng(0), mixing=mixing)
     assert stats["actor/replay_share"] == pytest.approx(expected_share, abs=0.04)
@@ -257,12 +269,9 @@ def test_actor_replay_mixing_fixed_share_or_pooled_by_weight(mixing, expected_sh
 def test_return_weighted_demos_are_drawn_by_their_steps_to_success():
     """rl.demo_weighting return, τ = 5: every step of a 10-step demo weighs e^4 times one of a 30-step demo, so the
     slow demo's 30 steps get 30e^-4 / (10 + 30e^-4) = 5 % of the draws (uniform: 75 %)."""
-    import torch
-
     from kinema.train.actor import actor_updates
     from kinema.train.buffer import StepBuffer
     from kinema.train.workflow import demo_step_weights
-    from policies.vla import VLAConfig
 
     episodes = [_steps_episode(10, "open the drawer"), _steps_episode(30, "open the drawer")]
     assert demo_step_weights(episodes, load_config(None, [])) == (None, {})
@@ -273,12 +282,8 @@ def test_return_weighted_demos_are_drawn_by_their_steps_to_success():
     assert stats["effective_episodes"] == pytest.approx((1 + np.exp(-4)) ** 2 / (1 + np.exp(-8)))
 
     demos = StepBuffer.from_episodes(episodes, ("agentview", "wrist"))
-    drawn: list[int] = []
-    real_batch = demos.batch
-    demos.batch = lambda index, *a, **k: (drawn.extend(index.tolist()), real_batch(index, *a, **k))[1]
-    policy = VLAPolicy(VLAConfig(image_size=32, chunk_size=4, n_action_steps=2, num_flow_steps=2))
-    policy.set_normalization(demos.stats())
-    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    drawn = _record_draws(demos)
+    policy, optimizer = _unmoving_policy(demos)
     kwargs = dict(steps=40, batch_size=16, demos=demos, replay=None, replay_weights=None, demo_fraction=1.0,
                   aux_weight=0.0)  # fmt: skip
     actor_updates(policy, optimizer, rng=np.random.default_rng(0), demo_weights=weights, **kwargs)
