@@ -31,7 +31,7 @@ then branches from that same checkpoint and the same demonstrations, through the
                    beside the demos at weight 1, aggregated over rounds
     sft_continued_rwr, habc_rwr, nft_speed_rwr
                    the control, habc and nft_speed with the rounds drawing the demos reward-weighted by their steps to
-                   success (`rl.demo_weighting return`, ours; for demos of uneven speed); the RL arms also have
+                   success (`demos.weighting return`, ours; for demos of uneven speed); the RL arms also have
                    paired_vs_sft_continued_rwr
 
 `pa_rl_selection` in the JSON is the pa_rl arm's policy with value-guided selection at N = 8 at inference (V-GPS),
@@ -130,10 +130,11 @@ METHODS: dict[str, list[str]] = {
     # as habc_hil and habc_hil_ir), imitating the demos plus the human's segments of every round, no credit weighting
     "hg_dagger": ["--rl.method", "hg_dagger", "--rl.interventions", "true"],
     # ours, for demos of uneven speed: the rounds draw the demos reward-weighted by their steps to success
-    # (rl.demo_weighting return); its control imitates them so, its RL arms add their credit on the rollouts
-    "sft_continued_rwr": ["--rl.method", "sft_continued", "--rl.demo_weighting", "return"],
-    "habc_rwr": ["--rl.method", "habc", "--rl.demo_weighting", "return"],
-    "nft_speed_rwr": ["--rl.method", "nft", "--rl.nft.reward", "discounted", "--rl.demo_weighting", "return"],
+    # (demos.weighting return; the SFT they branch from is the benchmark's); the control imitates them so, the RL
+    # arms add their credit on the rollouts
+    "sft_continued_rwr": ["--rl.method", "sft_continued", "--demos.weighting", "return"],
+    "habc_rwr": ["--rl.method", "habc", "--demos.weighting", "return"],
+    "nft_speed_rwr": ["--rl.method", "nft", "--rl.nft.reward", "discounted", "--demos.weighting", "return"],
 }
 
 BASELINES = ("sft", "sft_continued", "awr", "flow_ppo", "flow_ppo_gae")  # HABC's margin is over the best of these
@@ -142,7 +143,7 @@ NOT_RL = ("sft", "sft_continued", "sft_continued_rwr", "hg_dagger")  # imitation
 # RL arms with the simulated human: best_hil_margin_over_hg_dagger is over these, against HG-DAgger with the same human
 HIL_ARMS = tuple(m for m in METHODS if "--rl.interventions" in METHODS[m] and m not in NOT_RL)
 # RL arms on return-weighted demos: each also has paired_vs_sft_continued_rwr, against imitation weighted alike
-RWR_ARMS = tuple(m for m in METHODS if "--rl.demo_weighting" in METHODS[m] and m not in NOT_RL)
+RWR_ARMS = tuple(m for m in METHODS if "--demos.weighting" in METHODS[m] and m not in NOT_RL)
 REGIMES = ("scripted", "teleop")  # demos.source of each regime's SFTs (--demos)
 
 QUICK = [

@@ -267,7 +267,7 @@ def test_actor_replay_mixing_fixed_share_or_pooled_by_weight(mixing, expected_sh
 
 
 def test_return_weighted_demos_are_drawn_by_their_steps_to_success():
-    """rl.demo_weighting return, τ = 5: every step of a 10-step demo weighs e^4 times one of a 30-step demo, so the
+    """demos.weighting return, τ = 5: every step of a 10-step demo weighs e^4 times one of a 30-step demo, so the
     slow demo's 30 steps get 30e^-4 / (10 + 30e^-4) = 5 % of the draws (uniform: 75 %)."""
     from kinema.train.actor import actor_updates
     from kinema.train.buffer import StepBuffer
@@ -275,7 +275,7 @@ def test_return_weighted_demos_are_drawn_by_their_steps_to_success():
 
     episodes = [_steps_episode(10, "open the drawer"), _steps_episode(30, "open the drawer")]
     assert demo_step_weights(episodes, load_config(None, [])) == (None, {})
-    weights, stats = demo_step_weights(episodes, load_config(None, ["--rl.demo_weighting", "return", "--rl.demo_temperature", "5"]))
+    weights, stats = demo_step_weights(episodes, load_config(None, ["--demos.weighting", "return", "--demos.temperature", "5"]))
     assert weights.shape == (40,) and np.allclose(weights[:10], weights[0]) and np.allclose(weights[10:], weights[10])
     assert weights[0] / weights[10] == pytest.approx(np.exp(4))
     assert stats["weighted_steps_to_success"] == pytest.approx((10 + 30 * np.exp(-4)) / (1 + np.exp(-4)))
@@ -298,11 +298,11 @@ def test_return_weighted_demos_are_drawn_by_their_steps_to_success():
 
 @pytest.mark.slow
 def test_a_run_with_return_weighted_demos_says_what_the_rounds_imitate(tmp_path: Path):
-    """`kinema train --rl.demo_weighting return`: the demos record and the report give the weighted demos' steps to
+    """`kinema train --demos.weighting return`: the demos record and the report give the weighted demos' steps to
     success (no more than the demos' own) and their effective number of episodes."""
     run = tmp_path / "run"
-    done = kinema("train", *TINY, "--rl.rounds", "1", "--rl.method", "sft_continued", "--rl.demo_weighting", "return",
-                  "--rl.demo_temperature", "3", "--eval.videos", "0", "--eval.heldout", "false", "--out", str(run))  # fmt: skip
+    done = kinema("train", *TINY, "--rl.rounds", "1", "--rl.method", "sft_continued", "--demos.weighting", "return",
+                  "--demos.temperature", "3", "--eval.videos", "0", "--eval.heldout", "false", "--out", str(run))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     demos = next(r for r in records if r["kind"] == "demos")
@@ -311,10 +311,10 @@ def test_a_run_with_return_weighted_demos_says_what_the_rounds_imitate(tmp_path:
 
 
 def test_unknown_demo_weighting_and_a_non_positive_temperature_are_refused():
-    with pytest.raises(ValueError, match="rl.demo_weighting 'fastest' is not known; valid: uniform, return"):
-        load_config(None, ["--rl.demo_weighting", "fastest"])
-    with pytest.raises(ValueError, match="rl.demo_temperature is in steps and must be > 0; got 0.0"):
-        load_config(None, ["--rl.demo_weighting", "return", "--rl.demo_temperature", "0"])
+    with pytest.raises(ValueError, match="demos.weighting 'fastest' is not known; valid: uniform, return"):
+        load_config(None, ["--demos.weighting", "fastest"])
+    with pytest.raises(ValueError, match="demos.temperature is in steps and must be > 0; got 0.0"):
+        load_config(None, ["--demos.weighting", "return", "--demos.temperature", "0"])
 
 
 def test_unknown_replay_mixing_is_refused_with_the_valid_ones():

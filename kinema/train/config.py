@@ -19,6 +19,9 @@ from kinema.train.methods import METHODS
 from sim.experts import OPERATORS
 
 
+DEMO_WEIGHTINGS = ("uniform", "return")
+
+
 @dataclass
 class DemoConfig:
     episodes: int = 40  # scripted demonstrations for SFT: the knob that places the SFT baseline (README, shipped configs)
@@ -26,6 +29,10 @@ class DemoConfig:
     hesitation: float = 0.0
     wrong_grasp: float = 0.0
     source: str = "scripted"  # scripted (the expert) | teleop: a simulated teleoperator's slower, hesitant, detouring demos
+    # How this run's SFT and rounds draw the demos' steps: uniform | return (ours: reward-weighted regression over
+    # the demos, an episode `temperature` steps slower than the fastest weighing 1/e of it; for demos of uneven speed).
+    weighting: str = "uniform"
+    temperature: float = 10.0
 
 
 @dataclass
@@ -35,9 +42,6 @@ class SFTConfig:
     lr: float = 3e-4
     weight_decay: float = 1e-4
     aux_weight: float = 1.0  # weight of the privileged object-position head (0 disables)
-
-
-DEMO_WEIGHTINGS = ("uniform", "return")
 
 
 @dataclass
@@ -59,10 +63,6 @@ class RLRoundOptions:
     # The ODE sampler's initial noise in the rollouts, scaled: 1 sampled (as the methods specify); below 1 the rollouts
     # act nearer the policy's mode (ours: more successes per round to learn from, less spread between them).
     rollout_noise_scale: float = 1.0
-    # How the rounds draw demonstration steps: uniform | return (ours: reward-weighted regression over the demos, an
-    # episode demo_temperature steps slower than the fastest weighing 1/e of it; for demos of uneven speed).
-    demo_weighting: str = "uniform"
-    demo_temperature: float = 10.0
 
 
 # The options group of every registered method that has options: rl.habc, rl.awr, rl.ppo, rl.nft, ...
@@ -168,6 +168,7 @@ class TrainConfig:
             "advantage", "gae_lambda", "clip", "noise_level", "epochs", "target_kl", "kl_weight", "lr", "expert_only")},
         "rl.group_size": "rl.ppo.group_size", "rl.awr_temperature": "rl.awr.temperature",
         "rl.nft_beta": "rl.nft.beta", "rl.nft_adv_clip_max": "rl.nft.adv_clip_max",
+        "rl.demo_weighting": "demos.weighting", "rl.demo_temperature": "demos.temperature",
     }  # fmt: skip
 
     @staticmethod
@@ -220,10 +221,10 @@ class TrainConfig:
         if self.rl.rollout_noise_scale < 0 or (self.rl.rollout_noise_scale != 1.0 and self.policy.type != "vla"):
             raise ValueError(f"rl.rollout_noise_scale scales the VLA's initial flow noise in the rollouts and must be >= 0 "
                              f"(1: sampled, 0: zero noise); got {self.rl.rollout_noise_scale} with policy.type {self.policy.type}")
-        if self.rl.demo_weighting not in DEMO_WEIGHTINGS:
-            raise ValueError(f"rl.demo_weighting {self.rl.demo_weighting!r} is not known; valid: {', '.join(DEMO_WEIGHTINGS)}")
-        if self.rl.demo_temperature <= 0:
-            raise ValueError(f"rl.demo_temperature is in steps and must be > 0; got {self.rl.demo_temperature}")
+        if self.demos.weighting not in DEMO_WEIGHTINGS:
+            raise ValueError(f"demos.weighting {self.demos.weighting!r} is not known; valid: {', '.join(DEMO_WEIGHTINGS)}")
+        if self.demos.temperature <= 0:
+            raise ValueError(f"demos.temperature is in steps and must be > 0; got {self.demos.temperature}")
         if self.demos.source not in OPERATORS:
             raise ValueError(f"demos.source {self.demos.source!r} is not known; valid: {', '.join(OPERATORS)}")
         if self.demos.episodes < 1 and not self.dataset:

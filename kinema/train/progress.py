@@ -156,7 +156,7 @@ def summary_table(records: list[dict[str, Any]]) -> Table:
     demos = next((r for r in records if r.get("kind") == "demos"), None)
     if demos and demos.get("steps_to_success"):  # the demonstrator's, to read the policy's against
         table.add_row("demonstrations", "–", "–", f"{demos['success']:.0%} of collected", f"{demos['steps_to_success']:.1f}", "–")
-        if demos.get("weighted_steps_to_success"):  # rl.demo_weighting return: what the rounds imitate
+        if demos.get("weighted_steps_to_success"):  # demos.weighting return: what the run imitates
             table.add_row("weighted demos", "–", "–", f"{demos['effective_episodes']:.1f} effective episodes",
                           f"{demos['weighted_steps_to_success']:.1f}", "–")  # fmt: skip
     for rec in records:

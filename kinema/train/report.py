@@ -268,7 +268,7 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
     source = (f"{demos.get('episodes', '?')} successful episodes of {cfg.dataset}" if cfg.dataset else
               f"{demos.get('episodes', cfg.demos.episodes)} {kind} (noise {cfg.demos.noise})")  # fmt: skip
     if demos.get("weighted_steps_to_success"):
-        source += (f"; the rounds draw them return-weighted (τ = {cfg.rl.demo_temperature:g} steps: "
+        source += (f"; drawn return-weighted (τ = {cfg.demos.temperature:g} steps: "
                    f"{demos['effective_episodes']:.1f} effective episodes, {demos['weighted_steps_to_success']:.1f} "
                    f"steps to success against {demos.get('steps_to_success') or float('nan'):.1f} unweighted)")
     sft_text = f"SFT {sft_record.get('steps', cfg.sft.steps)} steps" + (f" from {cfg.init_policy}" if cfg.init_policy else "")

@@ -195,6 +195,8 @@ def _train(
     demo_dir = run.root / "demos"
     demo_seeds = range(cfg.seed * 10_000, cfg.seed * 10_000 + cfg.demos.episodes)
     demo_options = dataclasses.asdict(cfg.demos)
+    for key in ("weighting", "temperature"):  # how the demos are drawn, not how they were collected
+        del demo_options[key]
     if demo_options["source"] == "scripted":  # as runs from before demos.source recorded their settings
         del demo_options["source"]
     demo_settings = {"demos": demo_options, "task_config": cfg.task_config, "image_size": cfg.policy.image_size}
@@ -351,12 +353,12 @@ def _train(
 
 
 def demo_step_weights(demos: list[Episode], cfg: TrainConfig) -> tuple[np.ndarray | None, dict[str, float]]:
-    """The rounds' weight of every demonstration step (`rl.demo_weighting`; None: uniform), and what the weighting
+    """This run's weight of every demonstration step (`demos.weighting`; None: uniform), and what the weighting
     does: the demos' mean steps to success under the episode weights, and the effective number of episodes."""
-    if cfg.rl.demo_weighting == "uniform":
+    if cfg.demos.weighting == "uniform":
         return None, {}
     steps = torch.tensor([ep.steps_to_success or len(ep) for ep in demos])
-    w = return_weights(steps, temperature=cfg.rl.demo_temperature).double()
+    w = return_weights(steps, temperature=cfg.demos.temperature).double()
     stats = {"weighted_steps_to_success": float((w * steps).sum() / w.sum()),
              "effective_episodes": float(w.sum() ** 2 / (w**2).sum())}  # fmt: skip
     return np.repeat(w.numpy(), [len(ep) for ep in demos]), stats
@@ -380,6 +382,7 @@ def sft(learner: Learner, steps: int, *, aux_weight: float, progress: RunProgres
         stats = actor_updates(
             learner.policy, learner.optimizer, steps=steps, batch_size=cfg.sft.batch_size, demos=learner.demos,
             replay=None, replay_weights=None, demo_fraction=1.0, aux_weight=aux_weight, rng=learner.rng, on_step=sft_step,
+            demo_weights=learner.demo_weights,
         )  # fmt: skip
     run.log({"kind": "sft", "steps": steps, "init_policy": cfg.init_policy, **stats})
     for group in learner.optimizer.param_groups:

@@ -48,7 +48,7 @@ class Learner:
     decay: float  # of the acting average; 0: the acting policy is the trained one
     success_model: RolloutSuccessModel
     replay: list[list[Episode]] = field(default_factory=list)  # rollouts of the rounds kept, oldest first
-    demo_weights: np.ndarray | None = None  # the rounds' draw of demonstration steps (rl.demo_weighting); None: uniform
+    demo_weights: np.ndarray | None = None  # how SFT and the rounds draw demonstration steps (demos.weighting); None: uniform
     env_steps: int = 0
     actor_step: int = 0
 
