@@ -46,7 +46,8 @@ Last line: one JSON object, one entry per method with success, heldout_success, 
 gain_over_sft (success points over SFT), each success with its standard error; `per_task.<task>` has per arm
 success, heldout_success, steps_to_success, cpu_minutes and demos_steps_ratio (the demonstrations' steps to success
 over the arm's: above 1, faster than its demonstrator), the demonstrations' own (`demos`), and
-best_rl_margin_over_control (the best RL arm's success minus sft_continued's, the arm in best_rl_arm),
+best_rl_margin_over_control (the best RL arm's success minus the continued-SFT control's, the arm in best_rl_arm;
+with sft_continued_rwr beside sft_continued, minus the better of the two, the one in control_arm),
 best_hil_margin_over_hg_dagger (the best human-in-the-loop arm's minus hg_dagger's, in best_hil_arm; each such arm
 also has paired_vs_hg_dagger), and eval_noise_scale (the initial noise every row was evaluated from: a reused SFT evaluated at another is evaluated
 again at the arms' on the same episodes, once; arms of one task and seed at different scales are refused);
@@ -139,7 +140,8 @@ METHODS: dict[str, list[str]] = {
 
 BASELINES = ("sft", "sft_continued", "awr", "flow_ppo", "flow_ppo_gae")  # HABC's margin is over the best of these
 HEADLINE = ("sft_continued", "awr", "flow_ppo", "habc", "habc_hil")  # with sft, the arms --quick runs by default
-NOT_RL = ("sft", "sft_continued", "sft_continued_rwr", "hg_dagger")  # imitation arms: best_rl_margin_over_control is over the others
+CONTROLS = ("sft_continued", "sft_continued_rwr")  # continued imitation, uniform or return-weighted
+NOT_RL = ("sft", *CONTROLS, "hg_dagger")  # imitation arms: best_rl_margin_over_control is over the others
 # RL arms with the simulated human: best_hil_margin_over_hg_dagger is over these, against HG-DAgger with the same human
 HIL_ARMS = tuple(m for m in METHODS if "--rl.interventions" in METHODS[m] and m not in NOT_RL)
 # RL arms on return-weighted demos: each also has paired_vs_sft_continued_rwr, against imitation weighted alike
@@ -610,8 +612,10 @@ def task_entry(rows: dict[str, dict[str, list]], demos: list[dict], cpu: dict[st
     rl_arms = [a for a in rows if a not in NOT_RL and out[a]["success"] is not None]
     if "sft_continued" in rows and rl_arms:
         best = max(rl_arms, key=lambda a: out[a]["success"])
-        out["best_rl_margin_over_control"] = round(out[best]["success"] - out["sft_continued"]["success"], 4)
-        out["best_rl_arm"] = best
+        controls = [c for c in CONTROLS if c in rows and out[c]["success"] is not None]
+        control = max(controls, key=lambda c: out[c]["success"])  # the stronger imitation, when both ran
+        out["best_rl_margin_over_control"] = round(out[best]["success"] - out[control]["success"], 4)
+        out["best_rl_arm"], out["control_arm"] = best, control
     hil_arms = [a for a in rows if a in HIL_ARMS and out[a]["success"] is not None]
     if "hg_dagger" in rows and out["hg_dagger"]["success"] is not None and hil_arms:
         best = max(hil_arms, key=lambda a: out[a]["success"])

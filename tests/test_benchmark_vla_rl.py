@@ -136,7 +136,8 @@ def test_demo_regimes_are_checked_before_any_run(tmp_path: Path):
 
 
 def test_task_entry_gives_the_margins_over_each_control():
-    """best_rl_margin_over_control is over the RL arms only (not HG-DAgger, an imitation arm), and
+    """best_rl_margin_over_control is over the RL arms only (not HG-DAgger, an imitation arm) against the better
+    continued-SFT control, and
     best_hil_margin_over_hg_dagger over the human-in-the-loop arms only, against HG-DAgger with the same human."""
     import importlib.util
 
@@ -156,3 +157,8 @@ def test_task_entry_gives_the_margins_over_each_control():
     del rows["hg_dagger"]
     assert "best_hil_margin_over_hg_dagger" not in vla_rl.task_entry(rows, [], {})
     assert set(vla_rl.HIL_ARMS) == {"habc_hil", "habc_hil_ir", "habc_nocredit"}
+    # with return-weighted imitation beside the uniform control, the margin is over the better of the two
+    rows |= {"sft_continued_rwr": row(0.55), "habc_rwr": row(0.6)}
+    entry = vla_rl.task_entry(rows, [], {})
+    assert entry["control_arm"] == "sft_continued_rwr" and entry["best_rl_margin_over_control"] == pytest.approx(0.15)
+    assert set(vla_rl.RWR_ARMS) == {"habc_rwr", "nft_speed_rwr"}
