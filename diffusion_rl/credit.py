@@ -32,6 +32,7 @@ from torch import Tensor
 
 from diffusion_rl._util import check_shape
 from diffusion_rl.data.episode import ExecutedBy, Segment
+from diffusion_rl.flow import exp_advantage_weights
 
 
 class SampleKind(enum.IntEnum):
@@ -259,12 +260,10 @@ def return_weights(steps_to_success: Tensor, *, temperature: float) -> Tensor:
     is w_e·T_e (RWR's Σ_e w_e Σ_t log π(a_t | s_t)).
     """
     check_shape("steps_to_success", steps_to_success, (None,))
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (in steps); got {temperature}")
     if steps_to_success.numel() == 0:
         raise ValueError("return_weights needs at least one episode")
     if bool((steps_to_success <= 0).any()):
         raise ValueError("steps_to_success must be > 0 for every episode (only successful episodes are weighted)")
     t = steps_to_success.double()
-    w = torch.exp(-(t - t.min()) / temperature)
-    return (w / w.mean()).float()
+    # the advantage over the fastest episode is <= 0, so AWR's weight cap never binds
+    return exp_advantage_weights(-(t - t.min()), temperature=temperature, normalize=True).float()
