@@ -29,6 +29,8 @@ then branches from that same checkpoint and the same demonstrations, through the
     dsrl           diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen
     hg_dagger      HG-DAgger, the control of the habc_hil arms: the same simulated human, its takeovers imitated
                    beside the demos at weight 1, aggregated over rounds
+    hg_dagger_correction
+                   the same on the human's correction steps only, without the recovery drive back (ours)
     sft_continued_rwr, habc_rwr, nft_speed_rwr
                    the control, habc and nft_speed with the rounds drawing the demos reward-weighted by their steps to
                    success (`demos.weighting return`, ours; for demos of uneven speed); the RL arms also have
@@ -48,8 +50,9 @@ success, heldout_success, steps_to_success, cpu_minutes and demos_steps_ratio (t
 over the arm's: above 1, faster than its demonstrator), the demonstrations' own (`demos`), and
 best_rl_margin_over_control (the best RL arm's success minus the continued-SFT control's, the arm in best_rl_arm;
 with sft_continued_rwr beside sft_continued, minus the better of the two, the one in control_arm),
-best_hil_margin_over_hg_dagger (the best human-in-the-loop arm's minus hg_dagger's, in best_hil_arm; each such arm
-also has paired_vs_hg_dagger), and eval_noise_scale (the initial noise every row was evaluated from: a reused SFT evaluated at another is evaluated
+best_hil_margin_over_hg_dagger (the best human-in-the-loop arm's minus hg_dagger's, in best_hil_arm; with
+hg_dagger_correction beside hg_dagger, minus the better of the two, the one in hil_control_arm; each such arm also
+has paired_vs_hg_dagger and paired_vs_hg_dagger_correction), and eval_noise_scale (the initial noise every row was evaluated from: a reused SFT evaluated at another is evaluated
 again at the arms' on the same episodes, once; arms of one task and seed at different scales are refused);
 `_meta.task_run_minutes` is the wall time each task's runs took, summed (whether they ran at once or in turn), and
 `_meta.cpu_minutes_per_run` the CPU minutes per run of each arm (env workers included; unlike wall time, not
@@ -130,6 +133,8 @@ METHODS: dict[str, list[str]] = {
     # the control of the human-in-the-loop arms: the same simulated human and takeover budget (the default monitor,
     # as habc_hil and habc_hil_ir), imitating the demos plus the human's segments of every round, no credit weighting
     "hg_dagger": ["--rl.method", "hg_dagger", "--rl.interventions", "true"],
+    # ours: HG-DAgger on the human's correction steps only (not the recovery drive back to the last good pose)
+    "hg_dagger_correction": ["--rl.method", "hg_dagger", "--rl.interventions", "true", "--rl.hg_dagger.steps", "correction"],
     # ours, for demos of uneven speed: the rounds draw the demos reward-weighted by their steps to success
     # (demos.weighting return; the SFT they branch from is the benchmark's); the control imitates them so, the RL
     # arms add their credit on the rollouts
@@ -141,11 +146,13 @@ METHODS: dict[str, list[str]] = {
 BASELINES = ("sft", "sft_continued", "awr", "flow_ppo", "flow_ppo_gae")  # HABC's margin is over the best of these
 HEADLINE = ("sft_continued", "awr", "flow_ppo", "habc", "habc_hil")  # with sft, the arms --quick runs by default
 CONTROLS = ("sft_continued", "sft_continued_rwr")  # continued imitation, uniform or return-weighted
-NOT_RL = ("sft", *CONTROLS, "hg_dagger")  # imitation arms: best_rl_margin_over_control is over the others
+HIL_CONTROLS = ("hg_dagger", "hg_dagger_correction")  # HG-DAgger on every human step, or on the corrections only
+NOT_RL = ("sft", *CONTROLS, *HIL_CONTROLS)  # imitation arms: best_rl_margin_over_control is over the others
 # RL arms with the simulated human: best_hil_margin_over_hg_dagger is over these, against HG-DAgger with the same human
 HIL_ARMS = tuple(m for m in METHODS if "--rl.interventions" in METHODS[m] and m not in NOT_RL)
 # RL arms on return-weighted demos: each also has paired_vs_sft_continued_rwr, against imitation weighted alike
 RWR_ARMS = tuple(m for m in METHODS if "--demos.weighting" in METHODS[m] and m not in NOT_RL)
+PAIRED_AGAINST = ("sft", *CONTROLS, *HIL_CONTROLS)  # each arm's paired_vs_<arm> rows, where both ran
 REGIMES = ("scripted", "teleop")  # demos.source of each regime's SFTs (--demos)
 
 QUICK = [
@@ -485,7 +492,7 @@ def regime_summary(
     rows: dict[str, dict[str, list]] = {m: {"success": [], "heldout": [], "steps": [], "gain": []} for m in ["sft", *methods]}
     # Per arm, per-seed outcome differences (training templates) against SFT and against the control, pooled over
     # tasks and seeds: every arm of a task and seed is evaluated on the same seeds with seeded sampling noise.
-    paired: dict[str, dict[str, list[np.ndarray]]] = {m: {"sft": [], "sft_continued": [], "sft_continued_rwr": [], "hg_dagger": []} for m in methods}
+    paired: dict[str, dict[str, list[np.ndarray]]] = {m: {against: [] for against in PAIRED_AGAINST} for m in methods}
     per_task: dict[str, dict[str, list]] = {}  # task -> method -> [train success] over seeds
     per_task_rows: dict[str, dict[str, dict[str, list]]] = {}  # task -> method -> the rows, per task
     demo_rows: dict[str, list[dict]] = {}  # task -> the demos record of each seed's start
@@ -521,8 +528,8 @@ def regime_summary(
                 paired[method]["sft"].append(paired_outcome_differences(sft, final, "train"))
                 if "sft_continued" in finals and method != "sft_continued":
                     paired[method]["sft_continued"].append(paired_outcome_differences(finals["sft_continued"], final, "train"))
-                if "hg_dagger" in finals and method in HIL_ARMS:  # the human-in-the-loop arms against their control
-                    paired[method]["hg_dagger"].append(paired_outcome_differences(finals["hg_dagger"], final, "train"))
+                for control in (c for c in HIL_CONTROLS if c in finals and method in HIL_ARMS):  # against the same human
+                    paired[method][control].append(paired_outcome_differences(finals[control], final, "train"))
                 if "sft_continued_rwr" in finals and method in RWR_ARMS:  # against imitation of the same weighted demos
                     paired[method]["sft_continued_rwr"].append(paired_outcome_differences(finals["sft_continued_rwr"], final, "train"))
                 takeovers = [r["rollout/takeover_rate"] for r in _records(run) if r.get("kind") == "round" and r.get("rollout/takeover_rate") is not None]
@@ -541,7 +548,7 @@ def regime_summary(
             "steps_to_success": _mean([s for s in r["steps"] if s is not None]),
             "gain_over_sft": None if method == "sft" else _mean(r["gain"]),
         }
-        for against in ("sft", "sft_continued", "sft_continued_rwr", "hg_dagger"):  # paired by evaluation seed: mean difference, its s.e., n
+        for against in PAIRED_AGAINST:  # paired by evaluation seed: mean difference, its s.e., n
             diffs = np.concatenate(paired.get(method, {}).get(against) or [np.zeros(0)])
             if len(diffs) > 1:
                 entry[f"paired_vs_{against}"] = {"diff": round(float(diffs.mean()), 4), "n": len(diffs),
@@ -617,10 +624,12 @@ def task_entry(rows: dict[str, dict[str, list]], demos: list[dict], cpu: dict[st
         out["best_rl_margin_over_control"] = round(out[best]["success"] - out[control]["success"], 4)
         out["best_rl_arm"], out["control_arm"] = best, control
     hil_arms = [a for a in rows if a in HIL_ARMS and out[a]["success"] is not None]
-    if "hg_dagger" in rows and out["hg_dagger"]["success"] is not None and hil_arms:
+    hil_controls = [c for c in HIL_CONTROLS if c in rows and out[c]["success"] is not None]
+    if hil_controls and hil_arms:
         best = max(hil_arms, key=lambda a: out[a]["success"])
-        out["best_hil_margin_over_hg_dagger"] = round(out[best]["success"] - out["hg_dagger"]["success"], 4)
-        out["best_hil_arm"] = best
+        control = max(hil_controls, key=lambda c: out[c]["success"])  # the stronger HG-DAgger, when both ran
+        out["best_hil_margin_over_hg_dagger"] = round(out[best]["success"] - out[control]["success"], 4)
+        out["best_hil_arm"], out["hil_control_arm"] = best, control
     return out
 
 

@@ -138,7 +138,8 @@ def test_demo_regimes_are_checked_before_any_run(tmp_path: Path):
 def test_task_entry_gives_the_margins_over_each_control():
     """best_rl_margin_over_control is over the RL arms only (not HG-DAgger, an imitation arm) against the better
     continued-SFT control, and
-    best_hil_margin_over_hg_dagger over the human-in-the-loop arms only, against HG-DAgger with the same human."""
+    best_hil_margin_over_hg_dagger over the human-in-the-loop arms only, against the better HG-DAgger with the same
+    human."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("vla_rl_benchmark", Path(__file__).resolve().parent.parent / "benchmarks" / "vla_rl.py")
@@ -153,7 +154,12 @@ def test_task_entry_gives_the_margins_over_each_control():
     entry = vla_rl.task_entry(rows, [{"success": 1.0, "steps_to_success": 60.0}], {})
     assert entry["best_rl_arm"] == "habc_hil_ir" and entry["best_rl_margin_over_control"] == pytest.approx(0.4)
     assert entry["best_hil_arm"] == "habc_hil_ir" and entry["best_hil_margin_over_hg_dagger"] == pytest.approx(0.1)
+    assert entry["hil_control_arm"] == "hg_dagger"
     assert entry["habc"]["demos_steps_ratio"] == pytest.approx(1.2)
+    # with HG-DAgger on the corrections only beside it, the margin is over the better of the two
+    entry = vla_rl.task_entry(rows | {"hg_dagger_correction": row(0.65)}, [], {})
+    assert entry["hil_control_arm"] == "hg_dagger_correction" and entry["best_hil_margin_over_hg_dagger"] == pytest.approx(0.05)
+    assert entry["best_rl_arm"] == "habc_hil_ir"  # an imitation arm, never the best RL arm
     del rows["hg_dagger"]
     assert "best_hil_margin_over_hg_dagger" not in vla_rl.task_entry(rows, [], {})
     assert set(vla_rl.HIL_ARMS) == {"habc_hil", "habc_hil_ir", "habc_nocredit"}

@@ -12,7 +12,7 @@ import torch
 from method_regression import TINY
 from rich.console import Console
 
-from diffusion_rl.data import ExecutedBy
+from diffusion_rl.data import ExecutedBy, Segment
 from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.common import load_config, load_run_config
 from kinema.train.buffer import StepBuffer
@@ -29,6 +29,9 @@ def test_hg_dagger_refuses_to_run_without_the_human_naming_the_key():
         load_config(None, ["--rl.method", "hg_dagger"], config_class=TrainConfig)
     with pytest.raises(ValueError, match="rl.hg_dagger.sampling 'all' is not known; valid: uniform, demo_fraction"):
         load_config(None, ["--rl.method", "hg_dagger", "--rl.interventions", "true", "--rl.hg_dagger.sampling", "all"],
+                    config_class=TrainConfig)  # fmt: skip
+    with pytest.raises(ValueError, match="rl.hg_dagger.steps 'recovery' is not known; valid: human, correction"):
+        load_config(None, ["--rl.method", "hg_dagger", "--rl.interventions", "true", "--rl.hg_dagger.steps", "recovery"],
                     config_class=TrainConfig)  # fmt: skip
 
 
@@ -71,6 +74,15 @@ def test_hg_dagger_imitates_the_demos_plus_every_rounds_human_segments_and_nothi
         expected_pad = np.arange(chunk)[None] >= remaining[:, None]
         np.testing.assert_array_equal(batch["action_is_pad"].numpy(), expected_pad)
         assert buffer.imitable_index().size == len(buffer)  # every human step is imitated (recovery and correction)
+        # `steps correction`: the same human steps less the recovery drive, cut at each recovery as at a hand-back.
+        corrections = human_segments(episodes, "correction")
+        recovery = [ep.segment[m] == Segment.RECOVERY for ep, m in zip(episodes, masks)]
+        assert sum(r.sum() for r in recovery) > 0, "the default human recovers (drives back) before correcting"
+        np.testing.assert_array_equal(
+            np.concatenate([s.action for s in corrections]),
+            np.concatenate([ep.action[m][~r] for ep, m, r in zip(episodes, masks, recovery)]),
+        )
+        assert all((s.segment != Segment.RECOVERY).all() and (s.executed_by == ExecutedBy.HUMAN).all() for s in corrections)
     assert min(human_steps) > 0, "the untrained policy stalls, so the simulated human must have taken over"
     # DAgger aggregates: round 2 imitates both rounds' human steps although the replay window keeps one round.
     assert [r["hg_dagger/human_steps"] for r in rounds] == [human_steps[0], sum(human_steps)]
