@@ -29,8 +29,9 @@ then branches from that same checkpoint and the same demonstrations, through the
     dsrl           diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen
     hg_dagger      HG-DAgger, the control of the habc_hil arms: the same simulated human, its takeovers imitated
                    beside the demos at weight 1, aggregated over rounds
-    hg_dagger_correction
-                   the same on the human's correction steps only, without the recovery drive back (ours)
+    hg_dagger_correction, habc_hil_ir_correction
+                   hg_dagger and habc_hil_ir on the human's correction steps only, without the recovery drive back
+                   (`rl.human_steps correction`, ours)
     sft_continued_rwr, habc_rwr, nft_speed_rwr
                    the control, habc and nft_speed with the rounds drawing the demos reward-weighted by their steps to
                    success (`demos.weighting return`, ours; for demos of uneven speed); the RL arms also have
@@ -121,6 +122,11 @@ METHODS: dict[str, list[str]] = {
         "--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_reweighting", "true",
         "--rl.habc.intervention_reweighting_after", "3",
     ],  # fmt: skip
+    # ours: the same on the human's correction steps only, as hg_dagger_correction
+    "habc_hil_ir_correction": [
+        "--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_reweighting", "true",
+        "--rl.habc.intervention_reweighting_after", "3", "--rl.human_steps", "correction",
+    ],  # fmt: skip
     "habc_nogate": ["--rl.method", "habc", "--rl.habc.gate", "fixed_mix"],
     "habc_nocredit": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_credit", "false"],
     "nft": ["--rl.method", "nft"],
@@ -134,7 +140,7 @@ METHODS: dict[str, list[str]] = {
     # as habc_hil and habc_hil_ir), imitating the demos plus the human's segments of every round, no credit weighting
     "hg_dagger": ["--rl.method", "hg_dagger", "--rl.interventions", "true"],
     # ours: HG-DAgger on the human's correction steps only (not the recovery drive back to the last good pose)
-    "hg_dagger_correction": ["--rl.method", "hg_dagger", "--rl.interventions", "true", "--rl.hg_dagger.steps", "correction"],
+    "hg_dagger_correction": ["--rl.method", "hg_dagger", "--rl.interventions", "true", "--rl.human_steps", "correction"],
     # ours, for demos of uneven speed: the rounds draw the demos reward-weighted by their steps to success
     # (demos.weighting return; the SFT they branch from is the benchmark's); the control imitates them so, the RL
     # arms add their credit on the rollouts

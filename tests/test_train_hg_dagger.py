@@ -30,8 +30,8 @@ def test_hg_dagger_refuses_to_run_without_the_human_naming_the_key():
     with pytest.raises(ValueError, match="rl.hg_dagger.sampling 'all' is not known; valid: uniform, demo_fraction"):
         load_config(None, ["--rl.method", "hg_dagger", "--rl.interventions", "true", "--rl.hg_dagger.sampling", "all"],
                     config_class=TrainConfig)  # fmt: skip
-    with pytest.raises(ValueError, match="rl.hg_dagger.steps 'recovery' is not known; valid: human, correction"):
-        load_config(None, ["--rl.method", "hg_dagger", "--rl.interventions", "true", "--rl.hg_dagger.steps", "recovery"],
+    with pytest.raises(ValueError, match="rl.human_steps 'recovery' is not known; valid: all, correction"):
+        load_config(None, ["--rl.method", "hg_dagger", "--rl.interventions", "true", "--rl.human_steps", "recovery"],
                     config_class=TrainConfig)  # fmt: skip
 
 
@@ -74,7 +74,7 @@ def test_hg_dagger_imitates_the_demos_plus_every_rounds_human_segments_and_nothi
         expected_pad = np.arange(chunk)[None] >= remaining[:, None]
         np.testing.assert_array_equal(batch["action_is_pad"].numpy(), expected_pad)
         assert buffer.imitable_index().size == len(buffer)  # every human step is imitated (recovery and correction)
-        # `steps correction`: the same human steps less the recovery drive, cut at each recovery as at a hand-back.
+        # `rl.human_steps correction`: the same human steps less the recovery drive, cut at each recovery as at a hand-back.
         corrections = human_segments(episodes, "correction")
         recovery = [ep.segment[m] == Segment.RECOVERY for ep, m in zip(episodes, masks)]
         assert sum(r.sum() for r in recovery) > 0, "the default human recovers (drives back) before correcting"
@@ -91,3 +91,20 @@ def test_hg_dagger_imitates_the_demos_plus_every_rounds_human_segments_and_nothi
     assert all(r["weights/nonzero_share"] == 1.0 for r in rounds)
     demos = next(r for r in records if r["kind"] == "demos")
     assert 0 < rounds[1]["actor/replay_share"] < 1 and demos["steps"] > 0
+
+
+@pytest.mark.slow
+def test_human_steps_correction_leaves_the_humans_recovery_out_of_any_methods_imitation(tmp_path: Path):
+    """`rl.human_steps correction` is one switch for every method: HABC's replay weights lose exactly the human's
+    recovery steps of the replay window (HG-DAgger's segments lose them in the test above)."""
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    args = [*TINY, "--rl.method", "habc", "--rl.interventions", "true", "--rl.human_steps", "correction",
+            "--rl.episodes_per_round", "3", "--rl.rounds", "1", "--eval.episodes", "1", "--eval.round_episodes", "1",
+            "--task_config", '{"horizon": 60}', "--out", str(run)]  # fmt: skip
+    train(load_run_config(None, args, None, config_class=TrainConfig), console=QUIET)
+    record = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "round"' in line)
+    episodes = read_episodes(run / "rollouts" / "round-001")
+    recovery = sum(int(((ep.executed_by == ExecutedBy.HUMAN) & (ep.segment == Segment.RECOVERY)).sum()) for ep in episodes)
+    assert recovery > 0, "the untrained policy stalls, so the simulated human must have driven back"
+    assert record["weights/human_steps_left_out"] == recovery

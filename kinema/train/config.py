@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from kinema.train.actor import REPLAY_MIXING
 from kinema.train.methods import METHODS
+from kinema.train.methods.base import HUMAN_STEPS
 from sim.experts import OPERATORS
 
 
@@ -63,6 +64,9 @@ class RLRoundOptions:
     # The ODE sampler's initial noise in the rollouts, scaled: 1 sampled (as the methods specify); below 1 the rollouts
     # act nearer the policy's mode (ours: more successes per round to learn from, less spread between them).
     rollout_noise_scale: float = 1.0
+    # The human's steps every method imitates: all (recovery and correction, as RaC and HG-DAgger) | correction (ours:
+    # without the recovery drive back to the last good pose)
+    human_steps: str = "all"
 
 
 # The options group of every registered method that has options: rl.habc, rl.awr, rl.ppo, rl.nft, ...
@@ -190,6 +194,8 @@ class TrainConfig:
         METHODS[self.rl.method].check_config(self)
         if self.rl.replay_mixing not in REPLAY_MIXING:
             raise ValueError(f"rl.replay_mixing {self.rl.replay_mixing!r} is not known; valid: {', '.join(REPLAY_MIXING)}")
+        if self.rl.human_steps not in HUMAN_STEPS:
+            raise ValueError(f"rl.human_steps {self.rl.human_steps!r} is not known; valid: {', '.join(HUMAN_STEPS)}")
         if self.rl.success_target not in ("td", "mc"):
             raise ValueError(f"rl.success_target {self.rl.success_target!r} is not known; valid: td, mc")
         if not 0.0 <= self.rl.demo_fraction <= 1.0:

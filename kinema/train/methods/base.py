@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from diffusion_rl.data import Episode
+from diffusion_rl.data import Episode, ExecutedBy, Segment
 from diffusion_rl.data.lerobot_v3 import write_episodes
 from kinema.common import Run
 from kinema.train.distributed import broadcast_object, is_main, world
@@ -69,6 +69,19 @@ class Rollouts:
     # Flow-SDE runners only: each executed chunk's observation and denoising log-probs, keyed by (index in `new`,
     # env step), in the order the chunks were taken.
     chunks: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+
+
+# Which of the human's steps are imitation data (rl.human_steps): all of them (RaC and HG-DAgger imitate recovery and
+# correction alike), or the corrections only (ours: the recovery drive back aims at a pose the observation does not show).
+HUMAN_STEPS = ("all", "correction")
+
+
+def imitated_human_steps(episode: Episode, human_steps: str) -> np.ndarray:
+    """Per step of `episode`, False where `rl.human_steps` leaves a human step out of imitation (`correction`: the
+    human's recovery steps), else True."""
+    if human_steps == "all":
+        return np.ones(len(episode), bool)
+    return ~((episode.executed_by == ExecutedBy.HUMAN) & (episode.segment == Segment.RECOVERY))
 
 
 class RLMethod:
@@ -145,11 +158,15 @@ class RLMethod:
     ) -> None:  # fmt: skip
         """The actor update of the imitation-style methods: flow matching on demonstrations and replay steps drawn ∝
         `weights` (one per replay step; None: demonstrations only), the acting average following every step.
-        `replay`: the steps `weights` index, when not the rollouts' replay window; `mixing`: instead of
-        rl.replay_mixing."""
+        `replay`: the steps `weights` index, when not the rollouts' replay window (whose human steps that
+        `rl.human_steps` leaves out get weight 0); `mixing`: instead of rl.replay_mixing."""
         learner, rl = self.learner, self.cfg.rl
         if replay is None and rollouts is not None:
             replay = rollouts.buffer
+            if weights is not None and rl.human_steps != "all":
+                kept = np.concatenate([imitated_human_steps(ep, rl.human_steps) for ep in rollouts.episodes])
+                record["weights/human_steps_left_out"] = int((~kept).sum())
+                weights = weights * kept
         if weights is not None:
             record["weights/nonzero_share"] = float((weights > 0).mean())
 

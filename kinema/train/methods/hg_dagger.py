@@ -14,14 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diffusion_rl.data import Episode, ExecutedBy, Segment
+from diffusion_rl.data import Episode, ExecutedBy
 from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.train.buffer import StepBuffer
-from kinema.train.methods.base import RLMethod
+from kinema.train.methods.base import RLMethod, imitated_human_steps
 from sim.env import CAMERAS
 
 SAMPLING = ("uniform", "demo_fraction")
-STEPS = ("human", "correction")
 
 
 @dataclass
@@ -29,32 +28,24 @@ class HGDAggerOptions:
     # uniform: one pool of demonstrations and human steps, each drawn alike (the aggregate dataset HG-DAgger trains
     # on); demo_fraction (ours): rl.demo_fraction of every batch from the demonstrations, as the habc arms mix.
     sampling: str = "uniform"
-    # human: every step the human executed (HG-DAgger's aggregate); correction (ours): the human's steps toward the
-    # task only, without the recovery drive back to the last good pose, a target the observation does not show.
-    steps: str = "human"
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLING:
             raise ValueError(f"rl.hg_dagger.sampling {self.sampling!r} is not known; valid: {', '.join(SAMPLING)}")
-        if self.steps not in STEPS:
-            raise ValueError(f"rl.hg_dagger.steps {self.steps!r} is not known; valid: {', '.join(STEPS)}")
 
 
-def imitation_mask(episode: Episode, steps: str = "human") -> np.ndarray:
-    """The steps of a rollout HG-DAgger imitates: those the human executed (`human`: recovery and correction alike;
-    `correction`: without the recovery steps)."""
-    mask = episode.executed_by == ExecutedBy.HUMAN
-    if steps == "correction":
-        mask &= episode.segment != Segment.RECOVERY
-    return mask
+def imitation_mask(episode: Episode, human_steps: str = "all") -> np.ndarray:
+    """The steps of a rollout HG-DAgger imitates: those the human executed, recovery and correction alike (with
+    `rl.human_steps correction`, the corrections only)."""
+    return (episode.executed_by == ExecutedBy.HUMAN) & imitated_human_steps(episode, human_steps)
 
 
-def human_segments(episodes: Sequence[Episode], steps: str = "human") -> list[Episode]:
+def human_segments(episodes: Sequence[Episode], human_steps: str = "all") -> list[Episode]:
     """Each maximal run of `imitation_mask` as an episode of its own: a chunk target then ends where the human handed
     back (padded, so masked in the loss) instead of running on into the policy's actions."""
     out = []
     for ep in episodes:
-        mask = np.concatenate([[False], imitation_mask(ep, steps), [False]])
+        mask = np.concatenate([[False], imitation_mask(ep, human_steps), [False]])
         edges = np.flatnonzero(mask[1:] != mask[:-1])  # run starts and stops, alternating
         for start, stop in zip(edges[::2], edges[1::2]):
             cut = slice(int(start), int(stop))
@@ -90,10 +81,10 @@ class HGDAgger(RLMethod):
         were set aside and are not read)."""
         folder = self.learner.run.root / "rollouts"
         rounds = sorted(p for p in folder.glob("round-*") if p.name[6:].isdigit() and (p / "meta" / "info.json").exists())
-        self.aggregate = [seg for path in rounds for seg in human_segments(read_episodes(path), self.options.steps)]
+        self.aggregate = [seg for path in rounds for seg in human_segments(read_episodes(path), self.cfg.rl.human_steps)]
 
     def update(self, rollouts, record, progress) -> None:
-        new = human_segments(rollouts.new, self.options.steps)
+        new = human_segments(rollouts.new, self.cfg.rl.human_steps)
         self.aggregate.extend(new)
         record["hg_dagger/human_steps_new"] = sum(len(s) for s in new)
         record["hg_dagger/human_steps"] = sum(len(s) for s in self.aggregate)
