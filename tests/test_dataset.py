@@ -149,6 +149,21 @@ def test_round_trip_restores_every_field(dataset, episodes):
     assert back[0].intervened and back[0].segments()[1][2] == ExecutedBy.HUMAN
 
 
+def test_select_takes_every_per_step_field_alike_and_keeps_the_episode_fields(episodes):
+    ep = episodes[0]
+    keep = np.arange(len(ep)) % 3 != 1
+    part = ep.select(keep)
+    assert len(part) == keep.sum()
+    for key, value in ep.observations.items():
+        np.testing.assert_array_equal(part.observations[key], value[keep])
+    for name in ("action", "executed_by", "segment", "timestamp", "reward", "success"):
+        np.testing.assert_array_equal(getattr(part, name), getattr(ep, name)[keep])
+    for key, value in ep.privileged.items():
+        np.testing.assert_array_equal(part.privileged[key], value[keep])
+    assert (part.outcome, part.seed, part.task, part.complete) == (ep.outcome, ep.seed, ep.task, ep.complete)
+    np.testing.assert_array_equal(ep.select(slice(1, 3)).action, ep.action[1:3])
+
+
 def test_reader_api(dataset, episodes):
     reader = LeRobotDatasetReader(dataset)
     assert len(reader) == 4 and reader.meta.total_frames == 4 * 30

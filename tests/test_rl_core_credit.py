@@ -247,6 +247,18 @@ def test_return_weights_are_exp_of_minus_the_extra_steps_over_temperature_with_m
         credit.return_weights(torch.tensor([10, 0]), temperature=1.0)
 
 
+def test_idle_steps_are_those_after_which_the_arm_neither_moved_nor_changed_its_grip():
+    # moves, pauses two steps, closes the gripper in place, moves; the last step is never idle
+    position = torch.tensor([[0.0, 0, 0], [0.01, 0, 0], [0.011, 0, 0], [0.011, 0.001, 0], [0.011, 0.001, 0],
+                             [0.02, 0.001, 0], [0.02, 0.001, 0]])  # fmt: skip
+    opening = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5])
+    idle = credit.idle_steps(position, opening, motion=0.002, grip=0.02)
+    assert idle.tolist() == [False, True, True, False, False, True, False]
+    assert not credit.idle_steps(position, opening, motion=0.0, grip=0.0).any()  # strict thresholds: nothing is idle
+    with pytest.raises(ValueError, match="opening"):
+        credit.idle_steps(position, opening[:-1])
+
+
 def test_return_weighted_demos_move_a_flow_onto_the_faster_demonstrators_mode():
     """The bimodal toy as demonstrations of uneven speed: episodes at x = +2 take 10 steps to success, those at
     x = −2 take 30. Drawn per step uniformly, the slow mode has 3/4 of the draws and the flow learns it; drawn

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from test_board import scalars
 
 from diffusion_rl.data.lerobot_v3 import read_episodes
@@ -310,11 +311,35 @@ def test_a_run_with_return_weighted_demos_says_what_the_rounds_imitate(tmp_path:
     assert f"{demos['effective_episodes']:.1f} effective episodes" in (run / "report.md").read_text()
 
 
+@pytest.mark.slow
+def test_a_run_with_idle_demo_steps_dropped_imitates_the_teleoperators_demos_without_their_pauses(tmp_path: Path):
+    """`--demos.idle drop`: the steps after which the arm neither moved nor changed its grip (the teleoperator's
+    pauses) are cut out of the collected demos before SFT; the record, table and report say how many."""
+    from diffusion_rl.credit import idle_steps
+
+    run = tmp_path / "run"
+    done = kinema("train", *TINY, "--rl.method", "none", "--demos.source", "teleop", "--demos.idle", "drop",
+                  "--task_config", '{"horizon": 120}', "--eval.videos", "0", "--eval.heldout", "false", "--out", str(run))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    demos = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "demos"' in line)
+    collected = [ep for ep in read_episodes(run / "demos") if ep.outcome]  # as collected, pauses and all
+    idle = [idle_steps(torch.from_numpy(ep.observations["observation.state"][:, :3]),
+                       torch.from_numpy(ep.observations["observation.state"][:, 7])) for ep in collected]  # fmt: skip
+    assert demos["idle_steps_dropped"] == sum(int(i.sum()) for i in idle) > 0, "a teleoperator pauses"
+    assert demos["steps"] == sum(len(ep) for ep in collected) - demos["idle_steps_dropped"]
+    # the demonstrator's steps to success stay what the operator took, pauses included
+    assert demos["steps_to_success"] == pytest.approx(np.mean([ep.steps_to_success for ep in collected]))
+    assert f"{demos['idle_steps_dropped']} idle steps cut out" in (run / "report.md").read_text()
+    assert "less idle" in done.stdout + done.stderr  # the results table's row
+
+
 def test_unknown_demo_weighting_and_a_non_positive_temperature_are_refused():
     with pytest.raises(ValueError, match="demos.weighting 'fastest' is not known; valid: uniform, return"):
         load_config(None, ["--demos.weighting", "fastest"])
     with pytest.raises(ValueError, match="demos.temperature is in steps and must be > 0; got 0.0"):
         load_config(None, ["--demos.weighting", "return", "--demos.temperature", "0"])
+    with pytest.raises(ValueError, match="demos.idle 'trim' is not known; valid: keep, drop"):
+        load_config(None, ["--demos.idle", "trim"])
 
 
 def test_unknown_replay_mixing_is_refused_with_the_valid_ones():

@@ -11,6 +11,7 @@ executing `action[t]`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,6 +181,15 @@ class Episode:
     @property
     def intervened(self) -> bool:
         return bool((self.executed_by == ExecutedBy.HUMAN).any())
+
+    def select(self, steps: slice | np.ndarray) -> Episode:
+        """The episode of the chosen steps (a slice, or a boolean mask or indices over T), every per-step field
+        taken alike; the episode-level fields (outcome, seed, task, ...) kept."""
+        return dataclasses.replace(
+            self, observations={k: v[steps] for k, v in self.observations.items()}, action=self.action[steps],
+            executed_by=self.executed_by[steps], segment=self.segment[steps], timestamp=self.timestamp[steps],
+            reward=self.reward[steps], success=self.success[steps], privileged={k: v[steps] for k, v in self.privileged.items()},
+        )  # fmt: skip
 
     def segments(self) -> list[tuple[int, int, ExecutedBy]]:
         """Maximal runs of steps under one controller, as (start, stop, executed_by) with stop exclusive."""

@@ -21,6 +21,7 @@ from sim.experts import OPERATORS
 
 
 DEMO_WEIGHTINGS = ("uniform", "return")
+DEMO_IDLE = ("keep", "drop")
 
 
 @dataclass
@@ -34,6 +35,9 @@ class DemoConfig:
     # the demos, an episode `temperature` steps slower than the fastest weighing 1/e of it; for demos of uneven speed).
     weighting: str = "uniform"
     temperature: float = 10.0
+    # The demos' idle steps (the arm neither moves nor changes its grip: a teleoperator's pauses): keep | drop (cut out
+    # before training, HELP's idle rule on the demos, as VLA data pipelines drop no-op actions; ours)
+    idle: str = "keep"
 
 
 @dataclass
@@ -229,6 +233,8 @@ class TrainConfig:
                              f"(1: sampled, 0: zero noise); got {self.rl.rollout_noise_scale} with policy.type {self.policy.type}")
         if self.demos.weighting not in DEMO_WEIGHTINGS:
             raise ValueError(f"demos.weighting {self.demos.weighting!r} is not known; valid: {', '.join(DEMO_WEIGHTINGS)}")
+        if self.demos.idle not in DEMO_IDLE:
+            raise ValueError(f"demos.idle {self.demos.idle!r} is not known; valid: {', '.join(DEMO_IDLE)}")
         if self.demos.temperature <= 0:
             raise ValueError(f"demos.temperature is in steps and must be > 0; got {self.demos.temperature}")
         if self.demos.source not in OPERATORS:

@@ -159,6 +159,9 @@ def summary_table(records: list[dict[str, Any]]) -> Table:
         if demos.get("weighted_steps_to_success"):  # demos.weighting return: what the run imitates
             table.add_row("weighted demos", "–", "–", f"{demos['effective_episodes']:.1f} effective episodes",
                           f"{demos['weighted_steps_to_success']:.1f}", "–")  # fmt: skip
+        if demos.get("idle_steps_dropped") is not None:  # demos.idle drop: the pauses cut out
+            table.add_row("less idle", "–", "–", f"{demos['idle_steps_dropped']} idle steps cut out",
+                          f"{demos['steps'] / demos['episodes']:.1f} per episode", "–")  # fmt: skip
     for rec in records:
         if rec.get("kind") != "eval":
             continue

@@ -271,6 +271,9 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
         source += (f"; drawn return-weighted (τ = {cfg.demos.temperature:g} steps: "
                    f"{demos['effective_episodes']:.1f} effective episodes, {demos['weighted_steps_to_success']:.1f} "
                    f"steps to success against {demos.get('steps_to_success') or float('nan'):.1f} unweighted)")
+    if demos.get("idle_steps_dropped") is not None:
+        source += (f"; {demos['idle_steps_dropped']} idle steps cut out (demos.idle drop: {demos.get('steps', '?')} "
+                   "steps imitated)")
     sft_text = f"SFT {sft_record.get('steps', cfg.sft.steps)} steps" + (f" from {cfg.init_policy}" if cfg.init_policy else "")
     if cfg.rl.method == "none":
         rl_text = "no RL (rl.method none: SFT only)"

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from diffusion_rl.credit import return_weights
+from diffusion_rl.credit import idle_steps, return_weights
 from diffusion_rl.data import Episode
 from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.common import (
@@ -195,7 +195,7 @@ def _train(
     demo_dir = run.root / "demos"
     demo_seeds = range(cfg.seed * 10_000, cfg.seed * 10_000 + cfg.demos.episodes)
     demo_options = dataclasses.asdict(cfg.demos)
-    for key in ("weighting", "temperature"):  # how the demos are drawn, not how they were collected
+    for key in ("weighting", "temperature", "idle"):  # how the demos are drawn, not how they were collected
         del demo_options[key]
     if demo_options["source"] == "scripted":  # as runs from before demos.source recorded their settings
         del demo_options["source"]
@@ -235,10 +235,19 @@ def _train(
     demos = [ep for ep in demos if ep.outcome]  # imitate successes only
     if not demos:
         raise ValueError("no successful demonstration to imitate (every demo episode failed)")
-    demo_buffer = StepBuffer.from_episodes(demos, cameras, image_size=cfg.policy.image_size)
     # The demonstrator's steps to success: what a policy that beats its demonstrator on efficiency is measured against.
     demo_steps = summarize(demos, "demos").steps_to_success
-    demo_weights, weighting = demo_step_weights(demos, cfg)
+    demo_weights, weighting = demo_step_weights(demos, cfg)  # by each episode's steps as the demonstrator took them
+    if cfg.demos.idle == "drop":
+        if (dim := demos[0].observations["observation.state"].shape[1]) != 8:
+            raise ValueError("demos.idle drop reads the end-effector position (0:3) and gripper opening (7) from "
+                             f"observation.state, kinema's (8,) layout; these demos' state is ({dim},): use demos.idle keep")
+        kept = [~idle_steps(torch.from_numpy(ep.observations["observation.state"][:, :3]),
+                            torch.from_numpy(ep.observations["observation.state"][:, 7])).numpy() for ep in demos]  # fmt: skip
+        weighting["idle_steps_dropped"] = int(sum((~k).sum() for k in kept))
+        demo_weights = None if demo_weights is None else demo_weights[np.concatenate(kept)]
+        demos = [ep.select(k) for ep, k in zip(demos, kept)]
+    demo_buffer = StepBuffer.from_episodes(demos, cameras, image_size=cfg.policy.image_size)
     run.log({"kind": "demos", "episodes": len(demos), "steps": len(demo_buffer), "success": demo_success,
              "steps_to_success": demo_steps, **weighting})  # fmt: skip
 

@@ -47,14 +47,7 @@ def human_segments(episodes: Sequence[Episode], human_steps: str = "all") -> lis
     for ep in episodes:
         mask = np.concatenate([[False], imitation_mask(ep, human_steps), [False]])
         edges = np.flatnonzero(mask[1:] != mask[:-1])  # run starts and stops, alternating
-        for start, stop in zip(edges[::2], edges[1::2]):
-            cut = slice(int(start), int(stop))
-            out.append(Episode(
-                observations={k: v[cut] for k, v in ep.observations.items()}, action=ep.action[cut], task=ep.task,
-                executed_by=ep.executed_by[cut], segment=ep.segment[cut], timestamp=ep.timestamp[cut],
-                reward=ep.reward[cut], success=ep.success[cut], outcome=ep.outcome, task_id=ep.task_id, seed=ep.seed,
-                policy_version=ep.policy_version, fps=ep.fps, privileged={k: v[cut] for k, v in ep.privileged.items()},
-            ))  # fmt: skip
+        out += [ep.select(slice(int(start), int(stop))) for start, stop in zip(edges[::2], edges[1::2])]
     return out
 
 
