@@ -226,22 +226,28 @@ def segment_labels_from_progress(
     return torch.where(valid, label, torch.full_like(label, -1))
 
 
-def idle_steps(position: Tensor, opening: Tensor, *, motion: float = 0.002, grip: float = 0.02) -> Tensor:
+def idle_steps(
+    position: Tensor, quaternion: Tensor, opening: Tensor, *, motion: float = 0.002, turn: float = 0.02, grip: float = 0.02
+) -> Tensor:
     """HELP's idle label on a recorded trajectory, from what the robot did: step t is idle when, from t to t + 1,
-    the end effector moved less than `motion` (metres) and the gripper opening changed less than `grip`. The last
-    step, whose effect is not recorded, is never idle. (The simulated human's monitor labels the policy's steps
-    with the same thresholds, online.)
+    the end effector moved less than `motion` (metres) and turned less than `turn` (radians), and the gripper
+    opening changed less than `grip`. The last step, whose effect is not recorded, is never idle. (The simulated
+    human's monitor uses the same motion and grip thresholds online, and also asks that progress did not rise.)
 
     Args:
-        position: (T, 3) end-effector positions. opening: (T,) gripper openings in [0, 1]. Returns (T,) bool.
+        position: (T, 3) end-effector positions. quaternion: (T, 4) its orientations (unit, either sign).
+        opening: (T,) gripper openings in [0, 1]. Returns (T,) bool.
     """
     check_shape("position", position, (None, 3))
+    check_shape("quaternion", quaternion, (position.shape[0], 4))
     check_shape("opening", opening, (position.shape[0],))
-    if motion < 0 or grip < 0:
-        raise ValueError(f"motion and grip are thresholds >= 0; got {motion}, {grip}")
+    if motion < 0 or turn < 0 or grip < 0:
+        raise ValueError(f"motion, turn and grip are thresholds >= 0; got {motion}, {turn}, {grip}")
     idle = torch.zeros(position.shape[0], dtype=torch.bool, device=position.device)
     moved = torch.linalg.vector_norm(position[1:] - position[:-1], dim=-1)
-    idle[:-1] = (moved < motion) & ((opening[1:] - opening[:-1]).abs() < grip)
+    cos_half = (quaternion[1:] * quaternion[:-1]).sum(-1).abs().clamp(max=1.0)  # q and -q: the same rotation
+    turned = 2 * torch.arccos(cos_half)
+    idle[:-1] = (moved < motion) & (turned < turn) & ((opening[1:] - opening[:-1]).abs() < grip)
     return idle
 
 

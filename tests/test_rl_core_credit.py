@@ -247,16 +247,21 @@ def test_return_weights_are_exp_of_minus_the_extra_steps_over_temperature_with_m
         credit.return_weights(torch.tensor([10, 0]), temperature=1.0)
 
 
-def test_idle_steps_are_those_after_which_the_arm_neither_moved_nor_changed_its_grip():
-    # moves, pauses two steps, closes the gripper in place, moves; the last step is never idle
+def test_idle_steps_are_those_after_which_the_arm_neither_moved_turned_nor_changed_its_grip():
+    # moves, pauses two steps, closes the gripper in place, moves, pauses, turns the wrist 0.1 rad in place (written
+    # as -q: the same rotation's other sign must not count as a turn), stays; the last step is never idle
     position = torch.tensor([[0.0, 0, 0], [0.01, 0, 0], [0.011, 0, 0], [0.011, 0.001, 0], [0.011, 0.001, 0],
-                             [0.02, 0.001, 0], [0.02, 0.001, 0]])  # fmt: skip
-    opening = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5])
-    idle = credit.idle_steps(position, opening, motion=0.002, grip=0.02)
-    assert idle.tolist() == [False, True, True, False, False, True, False]
-    assert not credit.idle_steps(position, opening, motion=0.0, grip=0.0).any()  # strict thresholds: nothing is idle
+                             [0.02, 0.001, 0], [0.02, 0.001, 0], [0.02, 0.001, 0], [0.02, 0.001, 0]])  # fmt: skip
+    opening = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.5])
+    still = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    turned = torch.tensor([math.cos(0.05), 0.0, 0.0, math.sin(0.05)])  # 0.1 rad about z
+    quaternion = torch.stack([still] * 7 + [-turned, -turned])
+    idle = credit.idle_steps(position, quaternion, opening, motion=0.002, turn=0.02, grip=0.02)
+    assert idle.tolist() == [False, True, True, False, False, True, False, True, False]
+    assert credit.idle_steps(position, quaternion, opening, turn=0.2)[6]  # a 0.1 rad turn under a 0.2 threshold
+    assert not credit.idle_steps(position, quaternion, opening, motion=0.0, turn=0.0, grip=0.0).any()  # strict
     with pytest.raises(ValueError, match="opening"):
-        credit.idle_steps(position, opening[:-1])
+        credit.idle_steps(position, quaternion, opening[:-1])
 
 
 def test_return_weighted_demos_move_a_flow_onto_the_faster_demonstrators_mode():

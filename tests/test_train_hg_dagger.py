@@ -87,6 +87,15 @@ def test_hg_dagger_imitates_the_demos_plus_every_rounds_human_segments_and_nothi
     # DAgger aggregates: round 2 imitates both rounds' human steps although the replay window keeps one round.
     assert [r["hg_dagger/human_steps"] for r in rounds] == [human_steps[0], sum(human_steps)]
     assert [r["hg_dagger/human_steps_new"] for r in rounds] == human_steps
+    # Resumed with `--rl.human_steps correction`: the aggregate is rebuilt without the recovery steps, and round 3
+    # adds its corrections only.
+    train(load_run_config(None, ["--rl.rounds", "3", "--rl.human_steps", "correction"], str(run), config_class=TrainConfig),
+          resume=True, console=QUIET)  # fmt: skip
+    third = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "round"' in line][-1]
+    corrections = [sum(int((imitation_mask(ep, "correction")).sum()) for ep in read_episodes(run / "rollouts" / f"round-{r:03d}"))
+                   for r in (1, 2, 3)]  # fmt: skip
+    assert third["round"] == 3 and third["hg_dagger/human_steps_new"] == corrections[2]
+    assert third["hg_dagger/human_steps"] == sum(corrections) < sum(human_steps) + corrections[2]
     # No credit weighting: every aggregated step at weight 1, beside the demonstrations (pooled: one uniform set).
     assert all(r["weights/nonzero_share"] == 1.0 for r in rounds)
     demos = next(r for r in records if r["kind"] == "demos")
@@ -94,17 +103,32 @@ def test_hg_dagger_imitates_the_demos_plus_every_rounds_human_segments_and_nothi
 
 
 @pytest.mark.slow
-def test_human_steps_correction_leaves_the_humans_recovery_out_of_any_methods_imitation(tmp_path: Path):
-    """`rl.human_steps correction` is one switch for every method: HABC's replay weights lose exactly the human's
-    recovery steps of the replay window (HG-DAgger's segments lose them in the test above)."""
+def test_human_steps_correction_leaves_the_humans_recovery_out_of_any_methods_imitation(tmp_path: Path, monkeypatch):
+    """`rl.human_steps correction` is one switch for every method: HABC's replay weights are 0 on exactly the human's
+    recovery steps and stay 1 on the human's corrections (HG-DAgger's segments lose them in the test above)."""
+    import kinema.train.methods.base as base
+
     torch.set_num_threads(1)
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("replay_weights"))
+        return base_actor_updates(*args, **kwargs)
+
+    base_actor_updates = base.actor_updates
+    monkeypatch.setattr(base, "actor_updates", recording)
     run = tmp_path / "run"
     args = [*TINY, "--rl.method", "habc", "--rl.interventions", "true", "--rl.human_steps", "correction",
             "--rl.episodes_per_round", "3", "--rl.rounds", "1", "--eval.episodes", "1", "--eval.round_episodes", "1",
             "--task_config", '{"horizon": 60}', "--out", str(run)]  # fmt: skip
     train(load_run_config(None, args, None, config_class=TrainConfig), console=QUIET)
+    weights = next(w for w in seen if w is not None)  # the round's actor update (SFT draws no replay)
+    episodes = read_episodes(run / "rollouts" / "round-001")  # the replay window, in the buffer's order
+    human = np.concatenate([ep.executed_by == ExecutedBy.HUMAN for ep in episodes])
+    recovery = human & np.concatenate([ep.segment == Segment.RECOVERY for ep in episodes])
+    assert len(weights) == len(human) and recovery.sum() > 0, "the untrained policy stalls: the human drives back"
+    assert (weights[recovery] == 0).all() and (weights[human & ~recovery] > 0).all()
     record = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "round"' in line)
-    episodes = read_episodes(run / "rollouts" / "round-001")
-    recovery = sum(int(((ep.executed_by == ExecutedBy.HUMAN) & (ep.segment == Segment.RECOVERY)).sum()) for ep in episodes)
-    assert recovery > 0, "the untrained policy stalls, so the simulated human must have driven back"
-    assert record["weights/human_steps_left_out"] == recovery
+    assert record["weights/human_steps_left_out"] == recovery.sum()
+    with pytest.raises(ValueError, match="rl.human_steps correction .* needs rl.interventions true"):
+        load_config(None, ["--rl.human_steps", "correction"], config_class=TrainConfig)

@@ -323,14 +323,36 @@ def test_a_run_with_idle_demo_steps_dropped_imitates_the_teleoperators_demos_wit
     assert done.returncode == 0, done.stderr[-3000:]
     demos = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "demos"' in line)
     collected = [ep for ep in read_episodes(run / "demos") if ep.outcome]  # as collected, pauses and all
-    idle = [idle_steps(torch.from_numpy(ep.observations["observation.state"][:, :3]),
-                       torch.from_numpy(ep.observations["observation.state"][:, 7])) for ep in collected]  # fmt: skip
+    states = [torch.from_numpy(ep.observations["observation.state"]).double() for ep in collected]
+    idle = [idle_steps(x[:, :3], x[:, 3:7], x[:, 7]) for x in states]
     assert demos["idle_steps_dropped"] == sum(int(i.sum()) for i in idle) > 0, "a teleoperator pauses"
     assert demos["steps"] == sum(len(ep) for ep in collected) - demos["idle_steps_dropped"]
     # the demonstrator's steps to success stay what the operator took, pauses included
     assert demos["steps_to_success"] == pytest.approx(np.mean([ep.steps_to_success for ep in collected]))
     assert f"{demos['idle_steps_dropped']} idle steps cut out" in (run / "report.md").read_text()
     assert "less idle" in done.stdout + done.stderr  # the results table's row
+
+
+def test_cutting_idle_demo_steps_keeps_each_remaining_steps_weight():
+    """`without_idle_steps`: a pause cut out of one demo leaves every other step with the weight it had, in order."""
+    from diffusion_rl.data import Episode
+    from kinema.train.workflow import without_idle_steps
+
+    def demo(x: list[float]) -> Episode:
+        state = np.zeros((len(x), 8), np.float32)
+        state[:, 0], state[:, 3] = x, 1.0  # moving along x, never turning, the gripper still
+        return Episode(observations={"observation.state": state}, action=np.arange(len(x))[:, None].repeat(7, 1), task="t")
+
+    paused, steady = demo([0.0, 0.01, 0.01, 0.01, 0.02]), demo([0.0, 0.01, 0.02])  # steps 1 and 2 of the first idle
+    weights = np.array([2.0] * 5 + [0.5] * 3)
+    kept, kept_weights, dropped = without_idle_steps([paused, steady], weights)
+    assert dropped == 2 and [len(ep) for ep in kept] == [3, 3]
+    np.testing.assert_array_equal(kept[0].action[:, 0], [0, 3, 4])
+    np.testing.assert_array_equal(kept_weights, [2.0, 2.0, 2.0, 0.5, 0.5, 0.5])
+    assert without_idle_steps([steady], None)[1] is None
+    wrong = Episode(observations={"observation.state": np.zeros((3, 5), np.float32)}, action=np.zeros((3, 7)), task="t")
+    with pytest.raises(ValueError, match=r"kinema's \(8,\) layout; these demos' state is \(5,\): use demos.idle keep"):
+        without_idle_steps([steady, wrong], None)
 
 
 def test_unknown_demo_weighting_and_a_non_positive_temperature_are_refused():

@@ -200,6 +200,9 @@ class TrainConfig:
             raise ValueError(f"rl.replay_mixing {self.rl.replay_mixing!r} is not known; valid: {', '.join(REPLAY_MIXING)}")
         if self.rl.human_steps not in HUMAN_STEPS:
             raise ValueError(f"rl.human_steps {self.rl.human_steps!r} is not known; valid: {', '.join(HUMAN_STEPS)}")
+        if self.rl.human_steps != "all" and not self.rl.interventions:
+            raise ValueError(f"rl.human_steps {self.rl.human_steps} chooses which of the simulated human's steps are "
+                             "imitated: it needs rl.interventions true; got rl.interventions false")
         if self.rl.success_target not in ("td", "mc"):
             raise ValueError(f"rl.success_target {self.rl.success_target!r} is not known; valid: td, mc")
         if not 0.0 <= self.rl.demo_fraction <= 1.0:

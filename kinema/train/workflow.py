@@ -239,14 +239,7 @@ def _train(
     demo_steps = summarize(demos, "demos").steps_to_success
     demo_weights, weighting = demo_step_weights(demos, cfg)  # by each episode's steps as the demonstrator took them
     if cfg.demos.idle == "drop":
-        if (dim := demos[0].observations["observation.state"].shape[1]) != 8:
-            raise ValueError("demos.idle drop reads the end-effector position (0:3) and gripper opening (7) from "
-                             f"observation.state, kinema's (8,) layout; these demos' state is ({dim},): use demos.idle keep")
-        kept = [~idle_steps(torch.from_numpy(ep.observations["observation.state"][:, :3]),
-                            torch.from_numpy(ep.observations["observation.state"][:, 7])).numpy() for ep in demos]  # fmt: skip
-        weighting["idle_steps_dropped"] = int(sum((~k).sum() for k in kept))
-        demo_weights = None if demo_weights is None else demo_weights[np.concatenate(kept)]
-        demos = [ep.select(k) for ep, k in zip(demos, kept)]
+        demos, demo_weights, weighting["idle_steps_dropped"] = without_idle_steps(demos, demo_weights)
     demo_buffer = StepBuffer.from_episodes(demos, cameras, image_size=cfg.policy.image_size)
     run.log({"kind": "demos", "episodes": len(demos), "steps": len(demo_buffer), "success": demo_success,
              "steps_to_success": demo_steps, **weighting})  # fmt: skip
@@ -371,6 +364,24 @@ def demo_step_weights(demos: list[Episode], cfg: TrainConfig) -> tuple[np.ndarra
     stats = {"weighted_steps_to_success": float((w * steps).sum() / w.sum()),
              "effective_episodes": float(w.sum() ** 2 / (w**2).sum())}  # fmt: skip
     return np.repeat(w.numpy(), [len(ep) for ep in demos]), stats
+
+
+def without_idle_steps(
+    demos: list[Episode], step_weights: np.ndarray | None
+) -> tuple[list[Episode], np.ndarray | None, int]:  # fmt: skip
+    """`demos.idle drop`: the demos with their idle steps cut out (`diffusion_rl.credit.idle_steps` on the recorded
+    end-effector pose and gripper opening, kinema's `observation.state` layout), each remaining step keeping its
+    weight; and how many steps were cut."""
+    for ep in demos:
+        if (dim := ep.observations["observation.state"].shape[1]) != 8:
+            raise ValueError("demos.idle drop reads the end-effector pose (0:7) and gripper opening (7) from "
+                             f"observation.state, kinema's (8,) layout; these demos' state is ({dim},): use demos.idle keep")
+    kept = []
+    for ep in demos:
+        state = torch.from_numpy(ep.observations["observation.state"]).double()
+        kept.append(~idle_steps(state[:, :3], state[:, 3:7], state[:, 7]).numpy())
+    weights = None if step_weights is None else step_weights[np.concatenate(kept)]
+    return [ep.select(k) for ep, k in zip(demos, kept)], weights, int(sum((~k).sum() for k in kept))
 
 
 def sft(learner: Learner, steps: int, *, aux_weight: float, progress: RunProgress, console: Console) -> None:

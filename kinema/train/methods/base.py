@@ -79,6 +79,8 @@ HUMAN_STEPS = ("all", "correction")
 def imitated_human_steps(episode: Episode, human_steps: str) -> np.ndarray:
     """Per step of `episode`, False where `rl.human_steps` leaves a human step out of imitation (`correction`: the
     human's recovery steps), else True."""
+    if human_steps not in HUMAN_STEPS:
+        raise ValueError(f"rl.human_steps {human_steps!r} is not known; valid: {', '.join(HUMAN_STEPS)}")
     if human_steps == "all":
         return np.ones(len(episode), bool)
     return ~((episode.executed_by == ExecutedBy.HUMAN) & (episode.segment == Segment.RECOVERY))
