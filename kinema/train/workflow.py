@@ -378,7 +378,7 @@ def without_idle_steps(
                              f"observation.state, kinema's (8,) layout; these demos' state is ({dim},): use demos.idle keep")
     kept = []
     for ep in demos:
-        state = torch.from_numpy(ep.observations["observation.state"]).double()
+        state = torch.tensor(ep.observations["observation.state"], dtype=torch.float64)
         kept.append(~idle_steps(state[:, :3], state[:, 3:7], state[:, 7]).numpy())
     weights = None if step_weights is None else step_weights[np.concatenate(kept)]
     return [ep.select(k) for ep, k in zip(demos, kept)], weights, int(sum((~k).sum() for k in kept))
