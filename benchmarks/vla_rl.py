@@ -136,6 +136,10 @@ METHODS: dict[str, list[str]] = {
     # PA-RL's local step: each sampled chunk climbs the critic before the choice; a shorter horizon (gamma 0.97)
     "pa_rl_refine": ["--rl.method", "pa_rl", "--rl.pa_rl.refine_steps", "3", "--rl.pa_rl.gamma", "0.97"],
     "dsrl": ["--rl.method", "dsrl"],
+    # Recap (pi*0.6): imitate demos and rollouts alike, conditioned on an improvement indicator from a value of the
+    # steps left; and with the simulated human's corrections (always labelled improvements)
+    "recap": ["--rl.method", "recap"],
+    "recap_hil": ["--rl.method", "recap", "--rl.interventions", "true"],
     # the control of the human-in-the-loop arms: the same simulated human and takeover budget (the default monitor,
     # as habc_hil and habc_hil_ir), imitating the demos plus the human's segments of every round, no credit weighting
     "hg_dagger": ["--rl.method", "hg_dagger", "--rl.interventions", "true"],

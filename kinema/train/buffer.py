@@ -43,6 +43,8 @@ class StepBuffer:
     # took over in a recorded deployment, are excluded, never made negatives.
     imitable: np.ndarray | None = None
     outcome: np.ndarray | None = None  # per step: its episode's outcome (1 success, 0 failure)
+    # per step: Recap's improvement indicator (diffusion_rl.recap), set by the method that labels the steps
+    advantage: np.ndarray | None = None
 
     def imitable_index(self) -> np.ndarray:
         return np.arange(len(self)) if self.imitable is None else np.flatnonzero(self.imitable)
@@ -110,6 +112,8 @@ class StepBuffer:
         out["action_is_pad"] = torch.from_numpy(is_pad).to(device)
         if self.aux is not None:
             out["aux_target"] = torch.from_numpy(self.aux[index]).to(device)
+        if self.advantage is not None:
+            out["advantage_indicator"] = torch.from_numpy(self.advantage[index].astype(np.int64)).to(device)
         if future:
             end = np.minimum(t + chunk_size, last[:, 0])
             at = self.episode_start[ep] + end

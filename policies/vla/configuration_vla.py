@@ -49,6 +49,14 @@ class VLAConfig:
     aux_input: str = "fused"
     state_dropout: float = 0.0  # training only: per-sample probability of zeroing the normalised EE pose (state[:7])
     augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables
+    # Recap's improvement indicator (rl.method recap): the action expert also reads whether a step was an improvement
+    # (diffusion_rl.recap: 0 unconditioned, 1 an improvement, 2 not one), as a learned embedding added to its context.
+    advantage_input: bool = False
+    advantage_dropout: float = 0.0  # training only: share of samples whose indicator is dropped (unconditioned)
+    # Acting: the indicator asked for (1: improvements) and classifier-free guidance β on it (1: plain conditioning;
+    # > 1: v = v_uncond + β (v_cond − v_uncond), one more expert pass per flow step).
+    advantage_condition: int = 1
+    advantage_guidance: float = 1.0
     lora_rank: int = 8  # LoRA rank when the backbone is a pretrained VLM (0: backbone fully frozen, heads only)
     # --- backbone "smolvlm" only (ignored by "tiny"; see policies/vla/smolvlm.py) ---
     backbone_path: str = ""  # local SmolVLM/Idefics3 checkpoint folder; checkpoints reference it, never copy it
@@ -83,6 +91,12 @@ class VLAConfig:
             raise ValueError("VLAConfig.cameras must name at least one camera")
         if self.inference_noise_scale < 0:
             raise ValueError(f"VLAConfig.inference_noise_scale must be >= 0 (1: sampled, 0: zero noise); got {self.inference_noise_scale}")
+        if not 0.0 <= self.advantage_dropout < 1.0:
+            raise ValueError(f"VLAConfig.advantage_dropout must be in [0, 1); got {self.advantage_dropout}")
+        if self.advantage_condition not in (0, 1, 2):
+            raise ValueError(f"VLAConfig.advantage_condition must be 0 (unconditioned), 1 (improvement) or 2 (not one); got {self.advantage_condition}")
+        if self.advantage_guidance < 1.0:
+            raise ValueError(f"VLAConfig.advantage_guidance must be >= 1 (1: plain conditioning); got {self.advantage_guidance}")
         if self.num_flow_steps < 1:
             raise ValueError(f"VLAConfig.num_flow_steps must be >= 1; got {self.num_flow_steps}")
         self.lora_targets = tuple(self.lora_targets)
@@ -119,5 +133,5 @@ class VLAConfig:
         "backbone", "cameras", "image_size", "state_dim", "action_dim", "chunk_size", "vision_channels", "vision_dim",
         "text_dim", "text_layers", "max_words", "ngram_buckets", "state_hidden", "hidden_dim", "expert_hidden",
         "expert_layers", "aux_dim", "aux_input", "lora_rank", "backbone_layers", "backbone_image_size", "lora_alpha", "lora_targets",
-        "freeze_vision", "max_text_tokens", "pool_queries",
+        "freeze_vision", "max_text_tokens", "pool_queries", "advantage_input",
     )  # fmt: skip

@@ -112,8 +112,24 @@ class ActionExpert(nn.Module):
         )
         self.out = nn.Sequential(nn.LayerNorm(config.expert_hidden), nn.Linear(config.expert_hidden, flat))
         self.shape = (config.chunk_size, config.action_dim)
+        self.config = config
+        self.advantage: nn.Embedding | None = None
+        if config.advantage_input:
+            self.add_advantage_input()
 
-    def forward(self, x_t: Tensor, t: Tensor, context: Tensor) -> Tensor:
+    def add_advantage_input(self) -> None:
+        """Recap's improvement indicator as an embedding added to the context, zero at first: the expert acts as
+        before until it learns what the indicator means."""
+        self.advantage = nn.Embedding(3, self.config.hidden_dim)
+        nn.init.zeros_(self.advantage.weight)
+
+    def forward(self, x_t: Tensor, t: Tensor, context: Tensor, advantage: Tensor | None = None) -> Tensor:
+        """`advantage`: (B,) indicator per sample (diffusion_rl.recap: 0 unconditioned, 1 improvement, 2 not one);
+        None: `config.advantage_condition`. Ignored by an expert without the indicator input."""
+        if self.advantage is not None:
+            if advantage is None:
+                advantage = torch.full((x_t.shape[0],), self.config.advantage_condition, dtype=torch.long, device=x_t.device)
+            context = context + self.advantage(advantage.to(x_t.device).long())
         h = self.inp(torch.cat([x_t.flatten(1), self.time(t), context], dim=-1))
         for block in self.blocks:
             h = h + block(h)
@@ -228,7 +244,7 @@ class VLAPolicy(ChunkedActing, nn.Module):
         noise = batch.get("noise")
         noise = torch.randn_like(actions) if noise is None else noise
         x_t = interpolate(actions, noise, t)
-        v = self.expert(x_t, t, context)
+        v = self.expert(x_t, t, context, self._training_indicator(batch))
         target = velocity_target(actions, noise)
         if targets is not None and "velocity" in targets:
             target = targets["velocity"]
@@ -237,6 +253,26 @@ class VLAPolicy(ChunkedActing, nn.Module):
         pad = batch.get("action_is_pad")
         mask = None if pad is None else ~torch.as_tensor(pad, device=self.device)
         return flow_matching_loss(v, target, weights=weights, mask=mask)
+
+    def _training_indicator(self, batch: Mapping[str, Any]) -> Tensor | None:
+        """The batch's Recap indicator (`advantage_indicator`), dropped to unconditioned for `advantage_dropout` of
+        the samples in training; None without one (the expert then reads `advantage_condition`)."""
+        indicator = batch.get("advantage_indicator")
+        if indicator is None or self.expert.advantage is None:
+            return None
+        indicator = torch.as_tensor(indicator, device=self.device).long()
+        if self.training and self.config.advantage_dropout:
+            dropped = torch.rand(indicator.shape, device=self.device) < self.config.advantage_dropout
+            indicator = indicator.masked_fill(dropped, 0)
+        return indicator
+
+    def add_advantage_input(self) -> None:
+        """Give an SFT policy Recap's improvement-indicator input (zero-initialised: it acts as before); its config
+        records it, so that its checkpoints load with it."""
+        if self.expert.advantage is None:
+            self.config.advantage_input = True
+            self.expert.add_advantage_input()
+            self.expert.advantage.to(self.device)
 
     def nft_loss(
         self,
@@ -281,7 +317,17 @@ class VLAPolicy(ChunkedActing, nn.Module):
         B = context.shape[0]
         if noise is None:
             noise = torch.randn(B, self.config.chunk_size, self.config.action_dim, device=self.device) * self.config.inference_noise_scale
-        chunk = euler_sample(lambda x, t: self.expert(x, t, context), noise, num_steps=self.config.num_flow_steps)
+        beta = self.config.advantage_guidance
+        if self.expert.advantage is not None and beta != 1.0:  # classifier-free guidance on the indicator asked for
+            asked = torch.full((B,), self.config.advantage_condition, dtype=torch.long, device=self.device)
+            plain = torch.zeros_like(asked)
+
+            def velocity(x: Tensor, t: Tensor) -> Tensor:
+                v_plain = self.expert(x, t, context, plain)
+                return v_plain + beta * (self.expert(x, t, context, asked) - v_plain)
+        else:
+            velocity = lambda x, t: self.expert(x, t, context)  # noqa: E731
+        chunk = euler_sample(velocity, noise, num_steps=self.config.num_flow_steps)
         return chunk.clamp(-1.0, 1.0)
 
     def sample_chunk_sde(
