@@ -162,7 +162,7 @@ def test_task_entry_gives_the_margins_over_each_control():
     assert entry["best_rl_arm"] == "habc_hil_ir"  # an imitation arm, never the best RL arm
     del rows["hg_dagger"]
     assert "best_hil_margin_over_hg_dagger" not in vla_rl.task_entry(rows, [], {})
-    assert set(vla_rl.HIL_ARMS) == {"habc_hil", "habc_hil_ir", "habc_hil_ir_correction", "habc_nocredit"}
+    assert set(vla_rl.HIL_ARMS) == {"habc_hil", "habc_hil_ir", "habc_hil_ir_correction", "habc_nocredit", "recap_hil"}
     # with return-weighted imitation beside the uniform control, the margin is over the better of the two
     rows |= {"sft_continued_rwr": row(0.55), "habc_rwr": row(0.6)}
     entry = vla_rl.task_entry(rows, [], {})

@@ -61,7 +61,7 @@ def test_padded_chunk_steps_do_not_count():
     """Targets past the episode end never enter the loss (the expert's output is pinned to isolate the mask)."""
     torch.manual_seed(0)
     model = VLAPolicy(tiny_config())
-    model.expert.forward = lambda x_t, t, context: torch.zeros_like(x_t)
+    model.expert.forward = lambda x_t, t, context, advantage=None: torch.zeros_like(x_t)
     batch = fake_batch()
     pad = torch.zeros(6, 4, dtype=torch.bool)
     pad[:, 2:] = True
