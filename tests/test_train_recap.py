@@ -148,6 +148,7 @@ def test_recap_runs_resumes_and_its_checkpoint_acts_asking_for_improvements(tmp_
         assert 0.0 <= r["recap/positive_demos"] <= 1.0 and r["weights/nonzero_share"] == 1.0
     config = json.loads((run / "checkpoints" / "final" / "config.json").read_text())
     assert config["advantage_input"] and config["advantage_condition"] == 1 and config["advantage_guidance"] == 1.5
+    assert config["advantage_scale"] == 100.0  # rl.recap.indicator_scale, kept through the resume
     sft = json.loads((run / "checkpoints" / "sft" / "config.json").read_text())
     assert not sft["advantage_input"]  # the value reads this frozen SFT policy, on resume as at the start
     saved = torch.load(run / "checkpoints" / "final" / "method.pt", weights_only=False)

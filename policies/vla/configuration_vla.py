@@ -53,6 +53,9 @@ class VLAConfig:
     # (diffusion_rl.recap: 0 unconditioned, 1 an improvement, 2 not one), as a learned embedding added to its context.
     advantage_input: bool = False
     advantage_dropout: float = 0.0  # training only: share of samples whose indicator is dropped (unconditioned)
+    # The embedding enters the context times this scale: under Adam it then learns that many times faster than the
+    # weights around it (an embedding added after SFT at the RL learning rate barely moves: ours)
+    advantage_scale: float = 1.0
     # Acting: the indicator asked for (1: improvements) and classifier-free guidance β on it (1: plain conditioning;
     # > 1: v = v_uncond + β (v_cond − v_uncond), one more expert pass per flow step).
     advantage_condition: int = 1
@@ -95,6 +98,8 @@ class VLAConfig:
             raise ValueError(f"VLAConfig.advantage_dropout must be in [0, 1); got {self.advantage_dropout}")
         if self.advantage_condition not in (0, 1, 2):
             raise ValueError(f"VLAConfig.advantage_condition must be 0 (unconditioned), 1 (improvement) or 2 (not one); got {self.advantage_condition}")
+        if self.advantage_scale <= 0:
+            raise ValueError(f"VLAConfig.advantage_scale must be > 0; got {self.advantage_scale}")
         if self.advantage_guidance < 1.0:
             raise ValueError(f"VLAConfig.advantage_guidance must be >= 1 (1: plain conditioning); got {self.advantage_guidance}")
         if self.num_flow_steps < 1:

@@ -129,7 +129,7 @@ class ActionExpert(nn.Module):
         if self.advantage is not None:
             if advantage is None:
                 advantage = torch.full((x_t.shape[0],), self.config.advantage_condition, dtype=torch.long, device=x_t.device)
-            context = context + self.advantage(advantage.to(x_t.device).long())
+            context = context + self.config.advantage_scale * self.advantage(advantage.to(x_t.device).long())
         h = self.inp(torch.cat([x_t.flatten(1), self.time(t), context], dim=-1))
         for block in self.blocks:
             h = h + block(h)
