@@ -67,6 +67,9 @@ class RecapOptions:
             raise ValueError(f"rl.recap.indicator_scale must be > 0; got {self.indicator_scale}")
         if self.guidance < 1:
             raise ValueError(f"rl.recap.guidance must be >= 1 (1: plain conditioning); got {self.guidance}")
+        if self.guidance > 1 and not self.indicator_dropout:
+            raise ValueError("rl.recap.guidance > 1 guides away from the unconditioned policy, which only "
+                             "rl.recap.indicator_dropout > 0 trains; set both")  # fmt: skip
 
 
 class Recap(RLMethod):
@@ -89,6 +92,8 @@ class Recap(RLMethod):
             if not policy.config.advantage_input:  # a resumed run's keeps the scale it trained with
                 policy.config.advantage_scale = o.indicator_scale
             policy.add_advantage_input()
+            if policy is not learner.policy:  # the acting average is never trained itself
+                policy.expert.advantage.requires_grad_(False)
             policy.config.advantage_dropout = o.indicator_dropout
             policy.config.advantage_guidance = o.guidance
         self._rebuild_optimizer()
@@ -143,6 +148,7 @@ class Recap(RLMethod):
         success = np.repeat([bool(ep.outcome) for ep in episodes], replay.episode_length)
         record.update({
             "recap/threshold": threshold,
+            "recap/positive_share": float((advantages > threshold).mean()),  # before the corrections are added
             "recap/positive_demos": float((demos.advantage == POSITIVE).mean()),
             "recap/positive_rollout_successes": share(replay.advantage[success] == POSITIVE),
             "recap/positive_rollout_failures": share(replay.advantage[~success] == POSITIVE),
