@@ -48,7 +48,7 @@ class RecapOptions:
     value_batch_size: int = 256
     indicator_dropout: float = 0.3  # share of training samples whose indicator is dropped (for guidance)
     # ours: the indicator's embedding, new after SFT, learns this many times faster than the policy (its scale in the
-    # context); at 1 it moved to norm 0.02 against the context's 1.8 in a drawer run and the indicator changed nothing
+    # context); at 1 it barely moved in a drawer run (benchmarks/RESULTS.md, "Recap")
     indicator_scale: float = 100.0
     guidance: float = 1.0  # classifier-free guidance β when acting (1: plain conditioning on an improvement)
 
