@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 import torch
 from test_train_nft import episode, synthetic_batch
+from test_train_pa_rl_dsrl import train_tiny
 from test_train_ppo import tiny_policy
 from test_train_workflow import train_two_rounds_with_a_resume
 
+from diffusion_rl.data import ExecutedBy, Segment
+from diffusion_rl.data.lerobot_v3 import read_episodes
 from diffusion_rl.recap import (
     NEGATIVE,
     POSITIVE,
@@ -130,6 +133,10 @@ def load_config(args):
 def test_recap_refuses_what_it_cannot_honour():
     with pytest.raises(ValueError, match=r"rl.recap.positive_fraction must be in \(0, 1\); got 1.0"):
         load_config(["--rl.method", "recap", "--rl.recap.positive_fraction", "1"])
+    with pytest.raises(ValueError, match="rl.recap.labels 'return' is not known; valid: advantage, outcome"):
+        load_config(["--rl.method", "recap", "--rl.recap.labels", "return"])
+    with pytest.raises(ValueError, match="only rl.recap.indicator_dropout > 0 trains"):
+        load_config(["--rl.method", "recap", "--rl.recap.guidance", "2", "--rl.recap.indicator_dropout", "0"])
     with pytest.raises(ValueError, match="rl.recap.guidance must be >= 1"):
         load_config(["--rl.method", "recap", "--rl.recap.guidance", "0.5"])
     with pytest.raises(ValueError, match="rl.method 'recap' does not train a 'video' policy"):
@@ -161,3 +168,18 @@ def test_recap_runs_resumes_and_its_checkpoint_acts_asking_for_improvements(tmp_
     done = kinema("eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer", "--episodes", "1", "--splits", "train",
                   "--workers", "0", "--videos", "0", "--task-config", '{"horizon": 100}', "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_recap_on_outcomes_labels_every_step_by_its_episode_and_fits_no_value(tmp_path: Path):
+    run = train_tiny(tmp_path, "--rl.method", "recap", "--rl.recap.labels", "outcome", "--rl.recap.guidance", "2",
+                     "--rl.interventions", "true")  # fmt: skip
+    (r,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "round"' in line]
+    assert "value/loss" not in r and r["recap/positive_demos"] == 1.0
+    episodes = read_episodes(run / "rollouts" / "round-001")
+    if any(ep.outcome for ep in episodes):
+        assert r["recap/positive_rollout_successes"] == 1.0
+    failures = [ep for ep in episodes if not ep.outcome]
+    if failures:  # a failure's steps are not improvements, but for the human's corrections
+        corrections = sum(int(((ep.executed_by == ExecutedBy.HUMAN) & (ep.segment != Segment.RECOVERY)).sum()) for ep in failures)
+        assert r["recap/positive_rollout_failures"] == pytest.approx(corrections / sum(len(ep) for ep in failures))

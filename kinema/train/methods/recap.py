@@ -37,6 +37,9 @@ from kinema.train.success import seeded
 from policies import load_policy
 
 
+RECAP_LABELS = ("advantage", "outcome")
+
+
 @dataclass
 class RecapOptions:
     positive_fraction: float = 0.3  # share of the data labelled an improvement (the paper's ε per task: about 30 %)
@@ -51,6 +54,9 @@ class RecapOptions:
     # context); at 1 it barely moved in a drawer run (benchmarks/RESULTS.md, "Recap")
     indicator_scale: float = 100.0
     guidance: float = 1.0  # classifier-free guidance β when acting (1: plain conditioning on an improvement)
+    # advantage: Recap's labels from the value | outcome (ours, no value): a step is an improvement iff its episode
+    # succeeded (every demo step, the human's corrections too), so that guidance steers away from the failures
+    labels: str = "advantage"
 
     def __post_init__(self) -> None:
         if not 0 < self.positive_fraction < 1:
@@ -67,6 +73,8 @@ class RecapOptions:
             raise ValueError(f"rl.recap.indicator_scale must be > 0; got {self.indicator_scale}")
         if self.guidance < 1:
             raise ValueError(f"rl.recap.guidance must be >= 1 (1: plain conditioning); got {self.guidance}")
+        if self.labels not in RECAP_LABELS:
+            raise ValueError(f"rl.recap.labels {self.labels!r} is not known; valid: {', '.join(RECAP_LABELS)}")
         if self.guidance > 1 and not self.indicator_dropout:
             raise ValueError("rl.recap.guidance > 1 guides away from the unconditioned policy, which only "
                              "rl.recap.indicator_dropout > 0 trains; set both")  # fmt: skip
@@ -97,6 +105,8 @@ class Recap(RLMethod):
             policy.config.advantage_dropout = o.indicator_dropout
             policy.config.advantage_guidance = o.guidance
         self._rebuild_optimizer()
+        if o.labels != "advantage":
+            return
         self.encoder = load_policy(learner.run.root / "checkpoints" / "sft").requires_grad_(False).eval()
         self.demo_features = policy_features(self.encoder, learner.demos)
         from sim.tasks import make
@@ -123,8 +133,26 @@ class Recap(RLMethod):
         learner.optimizer = new
 
     def update(self, rollouts, record, progress) -> None:
-        learner, o = self.learner, self.options
-        demos, replay, episodes = learner.demos, rollouts.buffer, rollouts.episodes
+        demos, replay, episodes = self.learner.demos, rollouts.buffer, rollouts.episodes
+        corrections = np.concatenate([(ep.executed_by == ExecutedBy.HUMAN) & (ep.segment != Segment.RECOVERY) for ep in episodes])
+        success = np.repeat([bool(ep.outcome) for ep in episodes], replay.episode_length)
+        if self.options.labels == "outcome":
+            demos.advantage = np.full(len(demos), POSITIVE, np.int8)  # the run imitates successful demos only
+            replay.advantage = improvement_indicator(success.astype(np.float32), 0.5, always_positive=corrections)
+        else:
+            demos.advantage, replay.advantage = self.advantage_labels(rollouts, corrections, record, progress)
+        record.update({
+            "recap/positive_demos": float((demos.advantage == POSITIVE).mean()),
+            "recap/positive_rollout_successes": share(replay.advantage[success] == POSITIVE),
+            "recap/positive_rollout_failures": share(replay.advantage[~success] == POSITIVE),
+        })  # fmt: skip
+        weights = np.ones(len(replay)) if replay.imitable is None else replay.imitable.astype(np.float64)
+        self.imitate(rollouts, weights, record, progress)
+
+    def advantage_labels(self, rollouts, corrections: np.ndarray, record, progress) -> tuple[np.ndarray, np.ndarray]:
+        """Recap's labels: fit the value on the demos and the replay window, then each step's N-step advantage against
+        the threshold that makes `positive_fraction` of them improvements. Returns (demos', replay's) indicators."""
+        o, demos, replay, episodes = self.options, self.learner.demos, rollouts.buffer, rollouts.episodes
         replay_features = policy_features(self.encoder, replay)
         replay_returns = normalised_returns([len(ep) for ep in episodes], [float(ep.outcome) for ep in episodes],
                                             horizon=self.horizon, failure_cost=o.failure_cost)  # fmt: skip
@@ -142,19 +170,9 @@ class Recap(RLMethod):
         replay_adv = nstep_advantages(replay_returns, split(values[n_demo:], replay.episode_length), o.lookahead)
         advantages = np.concatenate([*demo_adv, *replay_adv])
         threshold = improvement_threshold(advantages, o.positive_fraction)
-        corrections = np.concatenate([(ep.executed_by == ExecutedBy.HUMAN) & (ep.segment != Segment.RECOVERY) for ep in episodes])
-        demos.advantage = improvement_indicator(advantages[:n_demo], threshold)
-        replay.advantage = improvement_indicator(advantages[n_demo:], threshold, always_positive=corrections)
-        success = np.repeat([bool(ep.outcome) for ep in episodes], replay.episode_length)
-        record.update({
-            "recap/threshold": threshold,
-            "recap/positive_share": float((advantages > threshold).mean()),  # before the corrections are added
-            "recap/positive_demos": float((demos.advantage == POSITIVE).mean()),
-            "recap/positive_rollout_successes": share(replay.advantage[success] == POSITIVE),
-            "recap/positive_rollout_failures": share(replay.advantage[~success] == POSITIVE),
-        })  # fmt: skip
-        weights = np.ones(len(replay)) if replay.imitable is None else replay.imitable.astype(np.float64)
-        self.imitate(rollouts, weights, record, progress)
+        record["recap/threshold"] = threshold
+        record["recap/positive_share"] = float((advantages > threshold).mean())  # before the corrections are added
+        return improvement_indicator(advantages[:n_demo], threshold), improvement_indicator(advantages[n_demo:], threshold, always_positive=corrections)
 
     @torch.no_grad()
     def calibration(self, features: torch.Tensor, returns: np.ndarray) -> dict[str, float]:
