@@ -168,6 +168,8 @@ def test_recap_runs_resumes_and_its_checkpoint_acts_asking_for_improvements(tmp_
     done = kinema("eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer", "--episodes", "1", "--splits", "train",
                   "--workers", "0", "--videos", "0", "--task-config", '{"horizon": 100}', "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "eval.json").read_text())
+    assert report["acting"].endswith("asking for improvements (Recap's indicator, guidance 1.5)"), report["acting"]
 
 
 @pytest.mark.slow

@@ -169,6 +169,10 @@ def _runners(policy: Any, saved: dict | None, select: int | None, checkpoint: st
     else:
         acting = _Acting(lambda: ChunkPolicy(policy, noise_scale=noise_scale),
                          "policy" if noise_scale == 1.0 else f"policy, initial noise scaled by {noise_scale:g}")
+        if getattr(policy.config, "advantage_input", False):  # a recap checkpoint acts asking for its indicator
+            asked = {0: "unconditioned", 1: "asking for improvements", 2: "asking for non-improvements"}[policy.config.advantage_condition]
+            beta = policy.config.advantage_guidance
+            acting.description += f", {asked} (Recap's indicator{f', guidance {beta:g}' if beta != 1 else ''})"
     n = select if select is not None else (policy.config.planning_candidates if plans else 1)
     if n <= 1:
         return acting, None
