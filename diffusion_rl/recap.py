@@ -119,12 +119,18 @@ def two_hot(values: Tensor, atoms: Tensor) -> Tensor:
 def fit_value(
     value: DistributionalValue, optimizer: torch.optim.Optimizer, features: Tensor, returns: Tensor, *, steps: int,
     batch_size: int, generator: torch.Generator | None = None, on_step: Callable[[], None] | None = None,
+    sampling: Tensor | None = None,
 ) -> float:  # fmt: skip
-    """`steps` minibatch steps of the value's cross-entropy on (features, returns); returns the mean loss."""
+    """`steps` minibatch steps of the value's cross-entropy on (features, returns), steps drawn uniformly or ∝
+    `sampling` (one weight per step); returns the mean loss."""
     losses = []
     value.train()
+    n = min(batch_size, len(features))
     for _ in range(steps):
-        index = torch.randint(len(features), (min(batch_size, len(features)),), generator=generator)
+        if sampling is None:
+            index = torch.randint(len(features), (n,), generator=generator)
+        else:
+            index = torch.multinomial(sampling, n, replacement=True, generator=generator)
         loss = value.loss(features[index], returns[index]).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -86,6 +86,26 @@ def test_two_hot_keeps_the_value_and_the_distributional_value_learns_the_steps_l
     np.testing.assert_allclose(v.numpy(), [-(10 - s) / 20 for s in range(10)], atol=0.015)
 
 
+def test_a_value_drawn_half_from_a_rare_kind_of_step_learns_it():
+    """9,900 steps of one kind (return −0.1) and 100 of another (−0.9), told apart by their feature: drawn alike, 30
+    value steps barely see the rare kind and value it as the common one; drawn half and half, the value learns both."""
+    features = torch.cat([torch.tensor([[1.0, 0.0]]).repeat(9900, 1), torch.tensor([[0.0, 1.0]]).repeat(100, 1)])
+    returns = torch.cat([torch.full((9900,), -0.1), torch.full((100,), -0.9)])
+    rare = torch.tensor([[0.0, 1.0]])
+
+    def fitted(sampling):
+        torch.manual_seed(0)
+        value = DistributionalValue(2, bins=51, hidden_dim=32)
+        fit_value(value, torch.optim.Adam(value.parameters(), lr=1e-2), features, returns, steps=30, batch_size=64,
+                  generator=torch.Generator().manual_seed(0), sampling=sampling)  # fmt: skip
+        with torch.no_grad():
+            return float(value(rare))
+
+    balanced = torch.cat([torch.full((9900,), 0.5 / 9900), torch.full((100,), 0.5 / 100)])
+    assert abs(fitted(balanced) + 0.9) < 0.05
+    assert fitted(None) > -0.2
+
+
 def indicator_buffer(policy, observation: dict) -> StepBuffer:
     """One observation, two recorded chunks: +0.6 labelled an improvement, −0.6 labelled not one."""
     n = policy.config.chunk_size

@@ -49,6 +49,9 @@ class RecapOptions:
     value_steps: int = 500  # value gradient steps per round
     value_lr: float = 3e-4
     value_batch_size: int = 256
+    # The demos' share of the value's minibatches: 0 draws every step alike, as Recap (on push 82k demo steps, all
+    # successes, against 6k of rollouts: the value ranked fresh rollouts backwards); in (0, 1): that share (ours)
+    value_demo_share: float = 0.0
     indicator_dropout: float = 0.3  # share of training samples whose indicator is dropped (for guidance)
     # ours: the indicator's embedding, new after SFT, learns this many times faster than the policy (its scale in the
     # context); at 1 it barely moved in a drawer run (benchmarks/RESULTS.md, "Recap")
@@ -73,6 +76,8 @@ class RecapOptions:
             raise ValueError(f"rl.recap.indicator_scale must be > 0; got {self.indicator_scale}")
         if self.guidance < 1:
             raise ValueError(f"rl.recap.guidance must be >= 1 (1: plain conditioning); got {self.guidance}")
+        if not 0 <= self.value_demo_share < 1:
+            raise ValueError(f"rl.recap.value_demo_share must be in [0, 1) (0: every step alike); got {self.value_demo_share}")
         if self.labels not in RECAP_LABELS:
             raise ValueError(f"rl.recap.labels {self.labels!r} is not known; valid: {', '.join(RECAP_LABELS)}")
         if self.guidance > 1 and not self.indicator_dropout:
@@ -160,8 +165,12 @@ class Recap(RLMethod):
         record.update(self.calibration(replay_features[new_start:], np.concatenate(replay_returns[len(episodes) - len(rollouts.new) :])))
         features = torch.cat([self.demo_features, replay_features])
         returns = torch.from_numpy(np.concatenate([*self.demo_returns, *replay_returns]))
+        sampling = None
+        if o.value_demo_share:
+            n_demo, n_replay = len(self.demo_features), len(replay_features)
+            sampling = torch.cat([torch.full((n_demo,), o.value_demo_share / n_demo), torch.full((n_replay,), (1 - o.value_demo_share) / n_replay)])
         with progress.phase(f"round {rollouts.round}: value (steps)", o.value_steps, kind="update", units=0):
-            record["value/loss"] = fit_value(self.value, self.value_optimizer, features, returns, steps=o.value_steps,
+            record["value/loss"] = fit_value(self.value, self.value_optimizer, features, returns, steps=o.value_steps, sampling=sampling,
                                              batch_size=o.value_batch_size, generator=self.generator, on_step=progress.advance)  # fmt: skip
         with torch.no_grad():
             values = self.value(features).numpy()
