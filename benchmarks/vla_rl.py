@@ -144,6 +144,8 @@ METHODS: dict[str, list[str]] = {
     "recap_outcome": ["--rl.method", "recap", "--rl.recap.labels", "outcome", "--rl.recap.guidance", "2"],
     # ours: the value drawn half from the demos, half from the rollouts
     "recap_balanced": ["--rl.method", "recap", "--rl.recap.value_demo_share", "0.5"],
+    # Recap's own mix: every step of the demos and the replay window drawn alike (pooled), not half from each
+    "recap_pooled": ["--rl.method", "recap", "--rl.replay_mixing", "pooled"],
     # the control of the human-in-the-loop arms: the same simulated human and takeover budget (the default monitor,
     # as habc_hil and habc_hil_ir), imitating the demos plus the human's segments of every round, no credit weighting
     "hg_dagger": ["--rl.method", "hg_dagger", "--rl.interventions", "true"],
