@@ -31,7 +31,7 @@ from diffusion_rl.recap import (
     nstep_advantages,
 )
 from diffusion_rl.success_model import spearman_rank_correlation
-from kinema.train.actor import policy_features
+from kinema.train.actor import policy_features, split_per_episode
 from kinema.train.methods.base import RLMethod
 from kinema.train.success import seeded
 from policies import load_policy
@@ -175,8 +175,8 @@ class Recap(RLMethod):
         with torch.no_grad():
             values = self.value(features).numpy()
         n_demo = len(demos)
-        demo_adv = nstep_advantages(self.demo_returns, split(values[:n_demo], demos.episode_length), o.lookahead)
-        replay_adv = nstep_advantages(replay_returns, split(values[n_demo:], replay.episode_length), o.lookahead)
+        demo_adv = nstep_advantages(self.demo_returns, split_per_episode(values[:n_demo], demos), o.lookahead)
+        replay_adv = nstep_advantages(replay_returns, split_per_episode(values[n_demo:], replay), o.lookahead)
         advantages = np.concatenate([*demo_adv, *replay_adv])
         threshold = improvement_threshold(advantages, o.positive_fraction)
         record["recap/threshold"] = threshold
@@ -199,10 +199,6 @@ class Recap(RLMethod):
     def load_state_dict(self, state: dict) -> None:
         self.value.load_state_dict(state["value"])
         self.value_optimizer.load_state_dict(state["optimizer"])
-
-
-def split(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
-    return np.split(flat, np.cumsum(lengths)[:-1])
 
 
 def share(mask: np.ndarray) -> float:
