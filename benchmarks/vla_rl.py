@@ -27,6 +27,11 @@ then branches from that same checkpoint and the same demonstrations, through the
                    distilled into the policy (evaluated at N = 1, the fair comparison)
     pa_rl_refine   the same with PA-RL's local step (3 gradient steps up the critic per sampled chunk) and γ = 0.97
     dsrl           diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen
+    residual, residual_wide, residual_calm, residual_calm_ln
+                   residual RL: SAC on a correction (bound ±0.1, wide ±0.2) added to the frozen VLA's deterministic
+                   chunk; it can leave the demonstrations' support (ResiP, Policy Decorator); calm: the actor's
+                   initial std 0.3 instead of 1 and SAC's temperature 0.001 instead of 0.1 (ours); calm_ln: with
+                   LayerNorm in the critics (RLPD's)
     hg_dagger      HG-DAgger, the control of the habc_hil arms: the same simulated human, its takeovers imitated
                    beside the demos at weight 1, aggregated over rounds
     hg_dagger_correction, habc_hil_ir_correction
@@ -136,6 +141,16 @@ METHODS: dict[str, list[str]] = {
     # PA-RL's local step: each sampled chunk climbs the critic before the choice; a shorter horizon (gamma 0.97)
     "pa_rl_refine": ["--rl.method", "pa_rl", "--rl.pa_rl.refine_steps", "3", "--rl.pa_rl.gamma", "0.97"],
     "dsrl": ["--rl.method", "dsrl"],
+    # residual RL (ResiP, Policy Decorator): SAC on a bounded correction to the frozen VLA's deterministic chunk;
+    # and with a bound of 0.2 (the correction can double a typical action)
+    "residual": ["--rl.method", "residual"],
+    "residual_wide": ["--rl.method", "residual", "--rl.residual.scale", "0.2"],
+    # ours: exploration at a third of SAC's initial spread, so that the first rounds' rollouts stay near the VLA's,
+    # and a temperature of 0.001 (not 0.1), so that the entropy bonus does not outweigh a sparse reward's Q
+    "residual_calm": ["--rl.method", "residual", "--rl.residual.init_std", "0.3", "--rl.residual.init_alpha", "0.001"],
+    # the same with LayerNorm in the critics (RLPD's remedy for Q's extrapolation, which residual_calm's actor exploits)
+    "residual_calm_ln": ["--rl.method", "residual", "--rl.residual.init_std", "0.3", "--rl.residual.init_alpha", "0.001",
+                         "--rl.residual.critic_layer_norm", "true"],
     # Recap (pi*0.6): imitate demos and rollouts alike, conditioned on an improvement indicator from a value of the
     # steps left; and with the simulated human's corrections (always labelled improvements)
     "recap": ["--rl.method", "recap"],
@@ -174,7 +189,7 @@ REGIMES = ("scripted", "teleop")  # demos.source of each regime's SFTs (--demos)
 QUICK = [
     "--demos.episodes", "8", "--sft.steps", "40", "--sft.batch_size", "16", "--rl.rounds", "1",
     "--rl.episodes_per_round", "4", "--rl.updates_per_round", "10", "--rl.batch_size", "16",
-    "--rl.habc.critic_steps", "20", "--rl.awr.critic_steps", "20", "--rl.ppo.critic_steps", "20", "--rl.pa_rl.critic_steps", "20", "--rl.pa_rl.demo_episodes", "4", "--rl.dsrl.sac_steps", "20", "--eval.episodes", "6", "--eval.round_episodes", "4", "--eval.heldout", "false",
+    "--rl.habc.critic_steps", "20", "--rl.awr.critic_steps", "20", "--rl.ppo.critic_steps", "20", "--rl.pa_rl.critic_steps", "20", "--rl.pa_rl.demo_episodes", "4", "--rl.dsrl.sac_steps", "20", "--rl.residual.sac_steps", "20", "--eval.episodes", "6", "--eval.round_episodes", "4", "--eval.heldout", "false",
     "--eval.videos", "0", "--num_envs", "4", "--policy.image_size", "32", "--task_config", '{"horizon": 60}',
     "--workers", "0",  # envs in the run's own process: starting worker processes cost more than the tiny runs (174 s -> 63 s)
 ]  # fmt: skip

@@ -25,10 +25,10 @@ from diffusion_rl.success_model import soft_update_
 LOG_STD_RANGE = (-5.0, 2.0)
 
 
-def _mlp(inp: int, out: int, hidden: int, layers: int) -> nn.Sequential:
+def _mlp(inp: int, out: int, hidden: int, layers: int, *, layer_norm: bool = False) -> nn.Sequential:
     mods: list[nn.Module] = []
     for _ in range(layers):
-        mods += [nn.Linear(inp, hidden), nn.SiLU()]
+        mods += [nn.Linear(inp, hidden), *([nn.LayerNorm(hidden)] if layer_norm else []), nn.SiLU()]
         inp = hidden
     return nn.Sequential(*mods, nn.Linear(inp, out))
 
@@ -57,12 +57,13 @@ class NoiseActor(nn.Module):
 
 
 class TwinQ(nn.Module):
-    """Two independent Q(φ, w) heads; the minimum is SAC's clipped double-Q estimate."""
+    """Two independent Q(φ, w) heads; the minimum is SAC's clipped double-Q estimate. `layer_norm`: LayerNorm after
+    each hidden layer (RLPD, Ball et al. 2023: it bounds Q's extrapolation to actions far from the data)."""
 
-    def __init__(self, feature_dim: int, noise_dim: int, *, hidden_dim: int = 256, num_layers: int = 2):
+    def __init__(self, feature_dim: int, noise_dim: int, *, hidden_dim: int = 256, num_layers: int = 2, layer_norm: bool = False):
         super().__init__()
-        self.q1 = _mlp(feature_dim + noise_dim, 1, hidden_dim, num_layers)
-        self.q2 = _mlp(feature_dim + noise_dim, 1, hidden_dim, num_layers)
+        self.q1 = _mlp(feature_dim + noise_dim, 1, hidden_dim, num_layers, layer_norm=layer_norm)
+        self.q2 = _mlp(feature_dim + noise_dim, 1, hidden_dim, num_layers, layer_norm=layer_norm)
 
     def forward(self, features: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
         x = torch.cat([features, noise], dim=-1)
@@ -75,11 +76,12 @@ class DSRLAgent(nn.Module):
     def __init__(
         self, feature_dim: int, noise_dim: int, *, hidden_dim: int = 256, bound: float = 1.5, lr: float = 3e-4,
         tau: float = 0.005, init_alpha: float = 0.1, target_entropy: float | None = None, backup_entropy: bool = False,
+        critic_layer_norm: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         self.actor = NoiseActor(feature_dim, noise_dim, hidden_dim=hidden_dim, bound=bound)
-        self.critic = TwinQ(feature_dim, noise_dim, hidden_dim=hidden_dim)
-        self.target = TwinQ(feature_dim, noise_dim, hidden_dim=hidden_dim)
+        self.critic = TwinQ(feature_dim, noise_dim, hidden_dim=hidden_dim, layer_norm=critic_layer_norm)
+        self.target = TwinQ(feature_dim, noise_dim, hidden_dim=hidden_dim, layer_norm=critic_layer_norm)
         self.target.load_state_dict(self.critic.state_dict())
         self.target.requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(math.log(init_alpha)))

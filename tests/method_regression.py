@@ -45,6 +45,7 @@ RUNS: dict[str, list[str]] = {
     "pa_rl": ["--rl.method", "pa_rl", "--rl.pa_rl.num_samples", "4", "--rl.pa_rl.refine_steps", "1",
               "--rl.pa_rl.critic_steps", str(CRITIC_STEPS), "--rl.pa_rl.demo_episodes", "2", "--rl.pa_rl.eval_samples", "2"],
     "dsrl": ["--rl.method", "dsrl", "--rl.dsrl.sac_steps", str(CRITIC_STEPS), "--rl.dsrl.distill", "true"],
+    "residual": ["--rl.method", "residual", "--rl.residual.sac_steps", str(CRITIC_STEPS)],
 }  # fmt: skip
 # The options as they were named before the methods had their own groups (the reference was recorded with these).
 LEGACY = {"--rl.awr.critic_steps": "--rl.habc.critic_steps", "--rl.ppo.group_size": "--rl.group_size",

@@ -18,7 +18,7 @@ from diffusion_rl.chunk_q import (
     refine_chunks,
     select_chunks,
 )
-from diffusion_rl.dsrl import DSRLAgent
+from diffusion_rl.dsrl import DSRLAgent, TwinQ
 
 torch.set_num_threads(1)
 
@@ -214,3 +214,17 @@ def test_dsrl_noise_actor_alone_raises_the_frozen_toy_policy_success():
     assert 0.3 < before < 0.7 and after > 0.9, (before, after)
     assert success(deterministic=True) == 1.0
     assert all(torch.equal(weights[k], v) for k, v in net.state_dict().items())
+
+
+def test_layer_norm_bounds_the_critics_extrapolation():
+    """RLPD's LayerNorm: however far an input lies from the data, each head's output stays within the bound its
+    last layer sets (Σ|w| · max SiLU over the normalised range, + |b|); without it, Q grows with the input."""
+    torch.manual_seed(0)
+    plain, normed = TwinQ(4, 2, hidden_dim=32), TwinQ(4, 2, hidden_dim=32, layer_norm=True)
+    x, w = torch.randn(64, 4), torch.randn(64, 2)
+    far_plain, far_normed = (torch.stack(q(1000 * x, 1000 * w)).abs().amax(1) for q in (plain, normed))  # per head
+    z_max = (32 - 1) ** 0.5  # the largest |entry| of a LayerNorm output of width 32 (affine at its init: 1, 0)
+    for head, far in zip((normed.q1, normed.q2), far_normed):
+        bound = head[-1].weight.abs().sum() * torch.nn.functional.silu(torch.tensor(z_max)) + head[-1].bias.abs()
+        assert far <= bound.item() + 1e-5, (far, bound)
+    assert far_plain.min() > 100 * far_normed.max(), (far_plain, far_normed)

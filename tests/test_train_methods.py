@@ -89,8 +89,8 @@ def test_old_key_names_load_from_a_file_and_are_refused_on_the_command_line_with
 def test_the_registry_is_the_list_of_methods_in_errors_and_help():
     from kinema.train.methods import METHODS
 
-    assert list(METHODS) == ["habc", "sft_continued", "awr", "flow_ppo", "nft", "pa_rl", "dsrl", "hg_dagger", "recap", "none"]
-    with pytest.raises(ValueError, match="rl.method 'ppo' is not known; valid: habc, sft_continued, awr, flow_ppo, nft, pa_rl, dsrl, hg_dagger, recap, none"):
+    assert list(METHODS) == ["habc", "sft_continued", "awr", "flow_ppo", "nft", "pa_rl", "dsrl", "residual", "hg_dagger", "recap", "none"]
+    with pytest.raises(ValueError, match="rl.method 'ppo' is not known; valid: habc, sft_continued, awr, flow_ppo, nft, pa_rl, dsrl, residual, hg_dagger, recap, none"):
         load_config(None, ["--rl.method", "ppo"], config_class=TrainConfig)
     helped = kinema("train", "--help")
     assert helped.returncode == 0

@@ -117,6 +117,19 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def eval_as_the_run_did(run: Path, out: Path, *, seed: int) -> tuple[list[str], dict]:
+    """`kinema eval` of a tiny run's final checkpoint on its own final evaluation's episodes (`--seed`): the command's
+    arguments and its eval.json, after checking that it acted as the run did (the same seeds, the same outcomes)."""
+    args = ["eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer", "--episodes", "2", "--splits", "train",
+            "--workers", "0", "--videos", "0", "--task-config", '{"horizon": 100}', "--out", str(out), "--seed", str(seed)]  # fmt: skip
+    done = kinema(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "eval.json").read_text())
+    final = next(r for r in reversed(records(run)) if r["kind"] == "eval" and r["stage"] == "final")
+    assert report["results"]["train"]["seeds"] == final["train/seeds"] and report["results"]["train"]["outcomes"] == final["train/outcomes"]
+    return args, report
+
+
 @pytest.mark.slow
 def test_pa_rl_trains_its_critic_reports_calibration_and_selection_and_kinema_eval_selects(tmp_path: Path):
     run = train_tiny(tmp_path, "--rl.method", "pa_rl", "--rl.pa_rl.num_samples", "3", "--rl.pa_rl.critic_steps", "5",
@@ -155,16 +168,8 @@ def test_dsrl_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_steers_with_i
     assert round_["dsrl/new_transitions"] == round_["dsrl/transitions"] > 0 and "actor/loss" not in round_
     saved = torch.load(run / "checkpoints" / "final" / "method.pt", weights_only=False)
     assert saved["name"] == "dsrl" and "agent" in saved["state"] and "transitions" not in saved["state"]  # eval needs no replay
-    out = tmp_path / "eval"
-    args = ["eval", "--policy", str(run / "checkpoints" / "final"), "--task", "drawer", "--episodes", "2", "--splits", "train",
-            "--workers", "0", "--videos", "0", "--task-config", '{"horizon": 100}', "--out", str(out), "--seed", "2"]  # fmt: skip
-    done = kinema(*args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((out / "eval.json").read_text())
+    args, report = eval_as_the_run_did(run, tmp_path / "eval", seed=2)
     assert "DSRL noise actor" in report["acting"]
-    # --seed 2: the episodes of the run's own final evaluation (seed 2), acted the same way: the same outcomes.
-    final = next(r for r in reversed(records(run)) if r["kind"] == "eval" and r["stage"] == "final")
-    assert report["results"]["train"]["seeds"] == final["train/seeds"] and report["results"]["train"]["outcomes"] == final["train/outcomes"]
     refused = kinema(*args, "--select", "2")
     assert refused.returncode != 0 and "--select needs a value for the chunks" in refused.stderr
     refused = kinema(*args, "--select", "2", "--select-margin", "0.1")  # a margin needs a pa_rl critic

@@ -55,9 +55,13 @@ def eval_command(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
     if args.video_predictions and not hasattr(policy, "predicted_future_images"):
         raise ValueError(f"--video-predictions needs a policy that predicts future frames (policy.type video); {args.policy} is a {type(policy).__name__}")
-    if args.noise_scale is None:  # as the checkpoint's run evaluated it (a DSRL actor picks its own noise)
-        steered = saved is not None and saved["name"] == "dsrl"
-        args.noise_scale = 1.0 if steered else getattr(policy.config, "inference_noise_scale", 1.0)
+    if args.noise_scale is None:  # as the checkpoint's run evaluated it
+        if saved is not None and saved["name"] == "dsrl":  # its actor picks the noise
+            args.noise_scale = 1.0
+        elif saved is not None and saved["name"] == "residual":  # the base's noise the correction was trained on
+            args.noise_scale = saved["state"]["shape"]["base_noise_scale"]
+        else:
+            args.noise_scale = getattr(policy.config, "inference_noise_scale", 1.0)
     acting, select = _runners(policy, saved, args.select, args.policy, args.noise_scale, args.select_margin)
     seen = policy.config.extra.get("tasks", [])
     if seen and args.task not in seen:
@@ -120,7 +124,7 @@ def eval_command(args: argparse.Namespace) -> int:
         cfg = TrainConfig(task=args.task, task_config=task_config or {})
         cfg.eval.videos, cfg.eval.noise_scale = args.videos, args.noise_scale
         cfg.policy.image_size = policy.config.image_size
-        record_video_grid(policy, cfg, out / "videos", "eval")
+        record_video_grid(policy, cfg, out / "videos", "eval", runner=acting.make())
     console.print(f"report: {out / 'report.md'}")
     return 0
 
@@ -164,6 +168,12 @@ def _runners(policy: Any, saved: dict | None, select: int | None, checkpoint: st
         from kinema.train.methods.dsrl import steered_runner
 
         acting = _Acting(lambda: steered_runner(policy, saved["state"]), "the VLA steered by the checkpoint's DSRL noise actor")
+    elif saved is not None and saved["name"] == "residual":
+        from kinema.train.methods.residual import residual_runner
+
+        bound = saved["state"]["shape"]["scale"]
+        acting = _Acting(lambda: residual_runner(policy, saved["state"], base_noise_scale=noise_scale),
+                         f"the VLA's chunk (initial noise scaled by {noise_scale:g}) plus the checkpoint's residual correction (bound ±{bound:g})")  # fmt: skip
     elif plans:  # its chunks alone, whatever planning_candidates the checkpoint keeps
         acting = _Acting(lambda: SelectChunkPolicy(policy, None, num_samples=1), "policy")
     else:

@@ -168,6 +168,37 @@ class SteeredChunkPolicy(ChunkPolicy):
         return self.policy.predict_action_chunk(batch, noise=noise.reshape(B, cfg.chunk_size, cfg.action_dim), context=features)
 
 
+class ResidualChunkPolicy(ChunkPolicy):
+    """Residual RL's acting: the frozen VLA's chunk from initial noise scaled by `base_noise_scale` (0: its
+    deterministic chunk), plus a bounded correction on the executed steps: `scale` · z, z ∈ [−1, 1] from the residual
+    actor, which reads the features and the base's executed steps (ResiP, Policy Decorator). The sum is clipped to
+    the action range [−1, 1]. The actor's ε is the per-episode noise (a second draw, apart from the base's), so an
+    episode replays the same on the same seed; deterministic: the actor's mean. With `record`, every executed
+    chunk's z (as `noise`) and base steps (as `base`) are kept by (episode, step)."""
+
+    def __init__(self, policy: Any, actor: Any, *, scale: float, base_noise_scale: float = 0.0, deterministic: bool = True,
+                 record: bool = False) -> None:  # fmt: skip
+        super().__init__(policy, noise_scale=base_noise_scale)
+        if scale <= 0:
+            raise ValueError(f"the residual's scale must be > 0 (in action units); got {scale}")
+        self.actor, self.scale, self.deterministic, self.record = actor, scale, deterministic, record
+
+    def sample(self, batch: dict[str, Any]) -> torch.Tensor:
+        B, cfg, n = len(batch["task"]), self.policy.config, self.n_action_steps
+        noise = self._episode_noise(B, samples=2)
+        if noise is None:
+            noise = torch.randn(B, 2, cfg.chunk_size, cfg.action_dim, device=self.policy.device)
+        features = self.policy.features(batch)
+        chunk = self.policy.predict_action_chunk(batch, noise=noise[:, 0] * self.noise_scale, context=features)
+        base = chunk[:, :n].flatten(1)
+        self.actor.eval()
+        z, _ = self.actor(torch.cat([features, base], dim=-1), deterministic=self.deterministic, eps=noise[:, 1, :n].flatten(1))
+        if self.record:
+            self._last = (None, {"noise": z.cpu(), "base": base.cpu()})
+        executed = (base + self.scale * z).clamp(-1.0, 1.0).reshape(B, n, cfg.action_dim)
+        return torch.cat([executed, chunk[:, n:]], dim=1)
+
+
 def batch1_latency_ms(runners: dict[Any, ChunkPolicy], task: str, *, image_size: int, task_config: dict | None = None,
                       repeats: int = 20) -> dict[Any, float]:  # fmt: skip
     """Median wall milliseconds of one call of each runner on a single observation (what a robot waits for each

@@ -33,14 +33,15 @@ COLUMNS = 4
 SUCCESS, FAILURE, RUNNING = (40, 200, 40), (220, 50, 40), (120, 120, 120)
 
 
-def record_video_grid(policy: Any, cfg: Any, folder: Path, label: str) -> list[Path]:
+def record_video_grid(policy: Any, cfg: Any, folder: Path, label: str, runner: ChunkPolicy | None = None) -> list[Path]:
     """`cfg.eval.videos` episodes on fixed seeds (the same for "before" and "after"), as one grid MP4 and a PNG of
     each episode's last frame: every tile shows its instruction, and its border turns green on success or red on
-    failure. Also `label.json`: the seeds, instructions and outcomes."""
+    failure. Also `label.json`: the seeds, instructions and outcomes. `runner`: what acts, as the evaluations act
+    (default: the policy's ODE chunks from `eval.noise_scale`; a dsrl or residual run's actor steering it)."""
     n = cfg.eval.videos
     if n < 1:
         return []
-    runner = ChunkPolicy(policy, noise_scale=cfg.eval.noise_scale)  # as the evaluations act
+    runner = runner or ChunkPolicy(policy, noise_scale=cfg.eval.noise_scale)
     episodes = []
     for i in range(n):
         seed = VIDEO_SEED_OFFSET + i

@@ -48,7 +48,7 @@ from kinema.train.progress import RunPace, RunProgress, planned_work, round_line
 from kinema.train.report import record_video_grid, write_before_after, write_curves, write_diagnostics, write_report
 from kinema.train.success import RolloutSuccessModel
 from policies import load_policy, make_policy
-from policies.checkpoint import load_checkpoint_config, set_aside, write_text_atomic
+from policies.checkpoint import METHOD_FILE, load_checkpoint_config, set_aside, write_text_atomic
 from sim.env import CAMERAS
 from sim.experts import ExpertConfig
 from sim.rollout import collect_demos
@@ -68,9 +68,6 @@ def save_trainer_checkpoint(run: Run, name: str, learner: Learner, method: RLMet
     path = run.root / "checkpoints" / name
     learner.acting.save_pretrained(str(path), extra_files={"trainer.pt": trainer.getvalue(), METHOD_FILE: method_file(method)})
     return path
-
-
-METHOD_FILE = "method.pt"
 
 
 def method_file(method: RLMethod) -> bytes:
@@ -339,7 +336,7 @@ def _train(
         _print_eval(console, f"after RL ({method.name})", results)
         for extra in method.final_evaluations(learner.acting, progress):
             run.log({**extra, "env_steps": learner.env_steps, "round": rounds})
-        record_video_grid(learner.acting, cfg, run.root / "videos", "after")
+        record_video_grid(learner.acting, cfg, run.root / "videos", "after", runner=method.eval_runner(learner.acting))
         learner.acting.save_pretrained(str(run.root / "checkpoints" / "final"), extra_files={METHOD_FILE: method_file(method)})
         state["final_done"] = True
         run.save_state(state)

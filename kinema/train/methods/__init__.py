@@ -11,10 +11,11 @@ from kinema.train.methods.nft import NFT
 from kinema.train.methods.none import SFTOnly
 from kinema.train.methods.pa_rl import PARL
 from kinema.train.methods.recap import Recap
+from kinema.train.methods.residual import Residual
 from kinema.train.methods.sft_continued import ContinuedSFT
 
 METHODS: dict[str, type[RLMethod]] = {
-    cls.name: cls for cls in (HABC, ContinuedSFT, AWR, FlowPPO, NFT, PARL, DSRL, HGDAgger, Recap, SFTOnly)
+    cls.name: cls for cls in (HABC, ContinuedSFT, AWR, FlowPPO, NFT, PARL, DSRL, Residual, HGDAgger, Recap, SFTOnly)
 }
 
 __all__ = ["METHODS", "Learner", "RLMethod", "Rollouts"]

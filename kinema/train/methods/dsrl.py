@@ -17,7 +17,7 @@ optional distillation; the actor then steers a moving base).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -29,25 +29,40 @@ from kinema.train.success import seeded
 
 
 @dataclass
-class DSRLOptions:
+class SACOptions:
+    """SAC on the executed chunks, shared by `dsrl` (in the sampler's noise space) and `residual` (in action space)."""
+
+    key: ClassVar[str] = ""  # the options' group, rl.<key>, for the error messages
     sac_steps: int = 400  # SAC updates per round
     batch_size: int = 256
     lr: float = 3e-4
     gamma: float = 0.99  # discount per env step
     tau: float = 0.005  # Polyak rate of the target critics
-    init_alpha: float = 0.1  # SAC temperature at the start (tuned to the target entropy −dim noise)
-    noise_bound: float = 1.5  # the actor's noise is tanh-squashed to ±bound
+    init_alpha: float = 0.1  # SAC temperature at the start (tuned to the target entropy −dim of the actor's output)
     hidden_dim: int = 256  # of the actor and the critics
+    critic_layer_norm: bool = False  # LayerNorm in the critics (RLPD's; ours here): bounds Q's extrapolation
+
+    def __post_init__(self) -> None:
+        key = f"rl.{self.key}"
+        for name in ("sac_steps", "batch_size"):
+            if getattr(self, name) < 0 or (name == "batch_size" and self.batch_size < 1):
+                raise ValueError(f"{key}.{name} must be >= {1 if name == 'batch_size' else 0}; got {getattr(self, name)}")
+        if self.lr <= 0 or self.init_alpha <= 0:
+            raise ValueError(f"{key}.lr and {key}.init_alpha must be > 0; got {self.lr}, {self.init_alpha}")
+        if not 0 < self.gamma <= 1 or not 0 < self.tau <= 1:
+            raise ValueError(f"{key}.gamma and {key}.tau must be in (0, 1]; got {self.gamma}, {self.tau}")
+
+
+@dataclass
+class DSRLOptions(SACOptions):
+    key: ClassVar[str] = "dsrl"
+    noise_bound: float = 1.5  # the actor's noise is tanh-squashed to ±bound
     distill: bool = False  # also imitate the successful steered rollouts with the VLA (the base then moves)
 
     def __post_init__(self) -> None:
-        for name in ("sac_steps", "batch_size"):
-            if getattr(self, name) < 0 or (name == "batch_size" and self.batch_size < 1):
-                raise ValueError(f"rl.dsrl.{name} must be >= {1 if name == 'batch_size' else 0}; got {getattr(self, name)}")
-        if self.noise_bound <= 0 or self.lr <= 0 or self.init_alpha <= 0:
-            raise ValueError(f"rl.dsrl.noise_bound, lr and init_alpha must be > 0; got {self.noise_bound}, {self.lr}, {self.init_alpha}")
-        if not 0 < self.gamma <= 1 or not 0 < self.tau <= 1:
-            raise ValueError(f"rl.dsrl.gamma and rl.dsrl.tau must be in (0, 1]; got {self.gamma}, {self.tau}")
+        super().__post_init__()
+        if self.noise_bound <= 0:
+            raise ValueError(f"rl.dsrl.noise_bound must be > 0; got {self.noise_bound}")
 
 
 class DSRL(RLMethod):
@@ -55,21 +70,36 @@ class DSRL(RLMethod):
     summary = "diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen (optionally distilled)"
     options_key = "dsrl"
     options_class = DSRLOptions
+    rollout_noise = "'s actor chooses the rollouts' initial noise"  # why rl.rollout_noise_scale does not apply
 
     @classmethod
     def check_config(cls, cfg) -> None:
         if cfg.rl.interventions:
-            raise ValueError("rl.method dsrl learns from autonomous rollouts only; set rl.interventions false (or use habc)")
+            raise ValueError(f"rl.method {cls.name} learns from autonomous rollouts only; set rl.interventions false (or use habc)")
         if cfg.rl.rollout_noise_scale != 1.0:
-            raise ValueError(f"rl.method dsrl's actor chooses the rollouts' initial noise; rl.rollout_noise_scale must be 1, got {cfg.rl.rollout_noise_scale}")
+            raise ValueError(f"rl.method {cls.name}{cls.rollout_noise}; rl.rollout_noise_scale must be 1, got {cfg.rl.rollout_noise_scale}")
 
     def __init__(self, learner) -> None:
         super().__init__(learner)
         o, pc = self.options, learner.policy.config
-        self.noise_dim = pc.chunk_size * pc.action_dim
+        self.noise_dim, self.input_dim = self.action_space(pc)
         self.agent = seeded(self.cfg.seed + 6, lambda: DSRLAgent(
-            pc.hidden_dim, self.noise_dim, hidden_dim=o.hidden_dim, bound=o.noise_bound, lr=o.lr, tau=o.tau, init_alpha=o.init_alpha))  # fmt: skip
+            self.input_dim, self.noise_dim, hidden_dim=o.hidden_dim, bound=self.bound, lr=o.lr, tau=o.tau, init_alpha=o.init_alpha,
+            critic_layer_norm=o.critic_layer_norm))  # fmt: skip
         self.transitions: dict[str, torch.Tensor] = {}
+
+    @property
+    def bound(self) -> float:
+        return self.options.noise_bound
+
+    def action_space(self, pc) -> tuple[int, int]:
+        """(the actor's output size, its input size): the whole chunk's initial noise, from the VLA's features."""
+        return pc.chunk_size * pc.action_dim, pc.hidden_dim
+
+    def decision_input(self, features: torch.Tensor, record: dict | None) -> torch.Tensor:
+        """What the actor and critics read at a decision (record: the runner's record of the chunk taken there,
+        None past the episode's end): the VLA's features."""
+        return features
 
     def rollout_plan(self, first_seed: int):
         runner = SteeredChunkPolicy(self.learner.acting, self.agent.actor, deterministic=False, record=True)
@@ -83,7 +113,7 @@ class DSRL(RLMethod):
         new = self.chunk_transitions(rollouts)
         self.transitions = {k: torch.cat([self.transitions[k], v]) if self.transitions else v for k, v in new.items()}
         n = len(self.transitions["x"])
-        record.update({"dsrl/transitions": n, "dsrl/new_transitions": len(new["x"])})
+        record.update({f"{self.name}/transitions": n, f"{self.name}/new_transitions": len(new["x"])})
         stats: list[dict[str, float]] = []
         self.agent.train()
         with progress.phase(f"round {rollouts.round}: SAC (steps)", o.sac_steps, kind="update", units=0):
@@ -92,15 +122,16 @@ class DSRL(RLMethod):
                 stats.append(self.agent.update({k: v[index] for k, v in self.transitions.items()}))
                 progress.advance()
         for key in stats[0] if stats else ():
-            record[f"dsrl/{key}"] = float(np.mean([s[key] for s in stats]))
-        if o.distill:
+            record[f"{self.name}/{key}"] = float(np.mean([s[key] for s in stats]))
+        if isinstance(o, DSRLOptions) and o.distill:
             weights = np.concatenate([np.full(len(ep), float(bool(ep.outcome))) for ep in rollouts.episodes])
             self.imitate(rollouts, weights, record, progress)
 
     def chunk_transitions(self, rollouts) -> dict[str, torch.Tensor]:
-        """One transition per executed chunk of the newest round: features at its decision step, the noise it
-        started from, γ^(T−1−t) when the episode succeeds at T−1 within the chunk (else 0), the features at the
-        next decision, done when the episode ended within the chunk, and the discount γ^(steps to that decision)."""
+        """One transition per executed chunk of the newest round: the actor's input (`decision_input`) at its decision
+        step, the actor's output there (`noise`), γ^(T−1−t) when the episode succeeds at T−1 within the chunk (else 0),
+        the input at the next decision, done when the episode ended within the chunk, and the discount γ^(steps to
+        that decision)."""
         gamma = self.options.gamma
         first_new = len(rollouts.episodes) - len(rollouts.new)
         steps: dict[int, list[int]] = {}
@@ -114,19 +145,20 @@ class DSRL(RLMethod):
             for k, t in enumerate(decisions):
                 t_next = decisions[k + 1] if k + 1 < len(decisions) else T
                 success_here = bool(ep.outcome) and t <= T - 1 < t_next
-                rows["x"].append(feats[t])
+                rows["x"].append(self.decision_input(feats[t], rollouts.chunks[i, t]))
                 rows["noise"].append(rollouts.chunks[i, t]["noise"])
                 rows["reward"].append(gamma ** (T - 1 - t) if success_here else 0.0)
-                rows["x_next"].append(feats[min(t_next, T - 1)])
+                rows["x_next"].append(self.decision_input(feats[min(t_next, T - 1)], rollouts.chunks.get((i, t_next))))
                 rows["done"].append(float(t_next >= T))
                 rows["discount"].append(gamma ** (t_next - t))
         if not rows["x"]:
-            return {"x": torch.zeros(0, self.learner.policy.config.hidden_dim), "noise": torch.zeros(0, self.noise_dim),
-                    **{k: torch.zeros(0) for k in ("reward", "done", "discount")}, "x_next": torch.zeros(0, self.learner.policy.config.hidden_dim)}  # fmt: skip
+            return {"x": torch.zeros(0, self.input_dim), "noise": torch.zeros(0, self.noise_dim),
+                    **{k: torch.zeros(0) for k in ("reward", "done", "discount")}, "x_next": torch.zeros(0, self.input_dim)}  # fmt: skip
         return {k: torch.stack(v).float() if torch.is_tensor(v[0]) else torch.tensor(v, dtype=torch.float32) for k, v in rows.items()}
 
     def _shape(self) -> dict:
-        return {"noise_dim": self.noise_dim, "hidden_dim": self.options.hidden_dim, "bound": self.options.noise_bound}
+        return {"noise_dim": self.noise_dim, "input_dim": self.input_dim, "hidden_dim": self.options.hidden_dim, "bound": self.bound,
+                "critic_layer_norm": self.options.critic_layer_norm}  # fmt: skip
 
     def state_dict(self) -> dict:
         return {"agent": self.agent.state_dict(), "optimizers": self.agent.optim_state(), "transitions": self.transitions, "shape": self._shape()}
@@ -136,6 +168,10 @@ class DSRL(RLMethod):
         return {"agent": self.agent.state_dict(), "shape": self._shape()}
 
     def load_state_dict(self, state: dict) -> None:
+        # The stored transitions' actions mean what the saved shape says (a residual's scale, the base's noise)
+        if (saved := state.get("shape")) is not None and (changed := {k: (v, saved.get(k)) for k, v in self._shape().items() if saved.get(k, v) != v}):
+            raise ValueError(f"--resume: rl.{self.options_key} differs from the run's: " + ", ".join(
+                f"{k} {now} (the run's {was})" for k, (now, was) in changed.items()) + "; resume with the run's options or start a new run")  # fmt: skip
         self.agent.load_state_dict(state["agent"])
         self.agent.load_optim_state(state["optimizers"])
         self.transitions = state["transitions"]
@@ -144,6 +180,7 @@ class DSRL(RLMethod):
 def steered_runner(policy: Any, state: dict) -> SteeredChunkPolicy:
     """`kinema eval` of a dsrl checkpoint: the VLA steered by the noise actor it saved (its mean noise)."""
     shape = state["shape"]
-    agent = DSRLAgent(policy.config.hidden_dim, shape["noise_dim"], hidden_dim=shape["hidden_dim"], bound=shape["bound"])
+    agent = DSRLAgent(shape.get("input_dim", policy.config.hidden_dim), shape["noise_dim"], hidden_dim=shape["hidden_dim"], bound=shape["bound"],
+                      critic_layer_norm=shape.get("critic_layer_norm", False))  # fmt: skip
     agent.load_state_dict(state["agent"])
     return SteeredChunkPolicy(policy, agent.actor.eval(), deterministic=True)
