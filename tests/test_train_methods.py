@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from method_regression import REFERENCE, RUNS, TINY, environment_changes, run_method, same
+from method_regression import REFERENCE, RUNS, TINY, environment_changes, run_method, same, tolerance
 
 from kinema.common import load_config
 from kinema.train.config import TrainConfig
@@ -31,11 +31,12 @@ def test_each_method_reproduces_its_recorded_round(tmp_path: Path, name: str):
     if changed := environment_changes(reference.get("_environment", {})):
         pytest.skip(f"reference recorded with other package versions {changed} (installed, recorded): floats move "
                     "across releases; after checking that the change is upstream, re-record: python tests/method_regression.py")
-    expected = reference[name]
+    expected, tol = reference[name], tolerance(reference.get("_environment", {}))
     got = run_method(name, tmp_path)
     assert sorted(got["numbers"]) == sorted(expected["numbers"])
-    differ = {k: (got["numbers"][k], v) for k, v in expected["numbers"].items() if not same(got["numbers"][k], v)}
+    differ = {k: (got["numbers"][k], v) for k, v in expected["numbers"].items() if not same(got["numbers"][k], v, **tol)}
     assert not differ, differ
+    # the weights' fingerprints sum thousands of weights: ISA noise moves them by ~1e-7 of their size, a change by far more
     assert same(got["online"], expected["online"]) and same(got["acting"], expected["acting"]), (got, expected)
 
 
