@@ -69,7 +69,7 @@ def environment_changes(recorded: dict[str, str]) -> dict[str, tuple[str, str | 
 
 def tolerance(recorded: dict[str, str]) -> dict[str, float]:
     """math.isclose's tolerances for the recorded numbers: tight on the vector ISA they were recorded on; on another
-    (AVX2 against AVX-512) kernels sum in another order, and the rounds' losses of ~1e-3 moved by up to 6e-5."""
+    (an AVX2 machine against the recording's) kernels sum in another order, and the rounds' losses of ~1e-3 moved by up to 6e-5."""
     if recorded.get("cpu") == torch.backends.cpu.get_cpu_capability():
         return {"rel_tol": 1e-5, "abs_tol": 1e-7}
     return {"rel_tol": 1e-2, "abs_tol": 1e-4}
