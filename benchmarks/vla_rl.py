@@ -27,11 +27,11 @@ then branches from that same checkpoint and the same demonstrations, through the
                    distilled into the policy (evaluated at N = 1, the fair comparison)
     pa_rl_refine   the same with PA-RL's local step (3 gradient steps up the critic per sampled chunk) and γ = 0.97
     dsrl           diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen
-    residual, residual_wide, residual_calm, residual_calm_ln
+    residual, residual_wide, residual_calm, residual_calm_ln, residual_calm_clip, residual_calm_ln_clip
                    residual RL: SAC on a correction (bound ±0.1, wide ±0.2) added to the frozen VLA's deterministic
                    chunk; it can leave the demonstrations' support (ResiP, Policy Decorator); calm: the actor's
-                   initial std 0.3 instead of 1 and SAC's temperature 0.001 instead of 0.1 (ours); calm_ln: with
-                   LayerNorm in the critics (RLPD's)
+                   initial std 0.3 instead of 1 and SAC's temperature 0.001 instead of 0.1 (ours); ln: with
+                   LayerNorm in the critics (RLPD's); clip: TD targets clamped to the returns' range [0, 1] (ours)
     hg_dagger      HG-DAgger, the control of the habc_hil arms: the same simulated human, its takeovers imitated
                    beside the demos at weight 1, aggregated over rounds
     hg_dagger_correction, habc_hil_ir_correction
@@ -151,6 +151,12 @@ METHODS: dict[str, list[str]] = {
     # the same with LayerNorm in the critics (RLPD's remedy for Q's extrapolation, which residual_calm's actor exploits)
     "residual_calm_ln": ["--rl.method", "residual", "--rl.residual.init_std", "0.3", "--rl.residual.init_alpha", "0.001",
                          "--rl.residual.critic_layer_norm", "true"],
+    # ours: the critics' TD targets clamped to [0, 1] (no return exceeds 1), against the overestimation the calm
+    # actor climbed (13x without LayerNorm; Q diverged to 3 with it)
+    "residual_calm_clip": ["--rl.method", "residual", "--rl.residual.init_std", "0.3", "--rl.residual.init_alpha", "0.001",
+                           "--rl.residual.clip_targets", "true"],
+    "residual_calm_ln_clip": ["--rl.method", "residual", "--rl.residual.init_std", "0.3", "--rl.residual.init_alpha", "0.001",
+                              "--rl.residual.critic_layer_norm", "true", "--rl.residual.clip_targets", "true"],
     # Recap (pi*0.6): imitate demos and rollouts alike, conditioned on an improvement indicator from a value of the
     # steps left; and with the simulated human's corrections (always labelled improvements)
     "recap": ["--rl.method", "recap"],

@@ -76,7 +76,7 @@ class DSRLAgent(nn.Module):
     def __init__(
         self, feature_dim: int, noise_dim: int, *, hidden_dim: int = 256, bound: float = 1.5, lr: float = 3e-4,
         tau: float = 0.005, init_alpha: float = 0.1, target_entropy: float | None = None, backup_entropy: bool = False,
-        critic_layer_norm: bool = False,
+        critic_layer_norm: bool = False, target_range: tuple[float, float] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.actor = NoiseActor(feature_dim, noise_dim, hidden_dim=hidden_dim, bound=bound)
@@ -85,7 +85,10 @@ class DSRLAgent(nn.Module):
         self.target.load_state_dict(self.critic.state_dict())
         self.target.requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(math.log(init_alpha)))
-        self.tau, self.backup_entropy = tau, backup_entropy
+        if target_range is not None and (backup_entropy or not target_range[0] < target_range[1]):
+            raise ValueError(f"target_range {target_range}: a (low, high) range of the returns, without backup_entropy "
+                             "(entropy in the target leaves the returns' range)")
+        self.tau, self.backup_entropy, self.target_range = tau, backup_entropy, target_range
         self.target_entropy = -float(noise_dim) if target_entropy is None else target_entropy
         self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=lr)
         self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=lr)
@@ -97,8 +100,8 @@ class DSRLAgent(nn.Module):
 
     def update(self, batch: dict[str, Tensor]) -> dict[str, float]:
         """One SAC step on transitions {x (B, F), noise (B, D), reward (B,), x_next (B, F), done (B,), discount (B,)}:
-        critics to r + γ^h (1 − done)·min Q_target(x', w'), w' ~ π (− α log π(w'|x') inside with `backup_entropy`);
-        then the actor; then α."""
+        critics to r + γ^h (1 − done)·min Q_target(x', w'), w' ~ π (− α log π(w'|x') inside with `backup_entropy`;
+        clamped to `target_range`, the returns' range, when given); then the actor; then α."""
         alpha = self.log_alpha.exp().detach()
         with torch.no_grad():
             w_next, logp_next = self.actor(batch["x_next"])
@@ -106,6 +109,8 @@ class DSRLAgent(nn.Module):
             if self.backup_entropy:
                 q_next = q_next - alpha * logp_next
             y = batch["reward"] + batch["discount"] * (1.0 - batch["done"].float()) * q_next
+            if self.target_range is not None:  # a bootstrapped value past what any return can be is extrapolation
+                y = y.clamp(*self.target_range)
         q1, q2 = self.critic(batch["x"], batch["noise"])
         critic_loss = (q1 - y).pow(2).mean() + (q2 - y).pow(2).mean()
         self.critic_opt.zero_grad(set_to_none=True)

@@ -67,6 +67,29 @@ def test_a_residual_learns_an_action_the_frozen_base_never_takes():
     assert before < 0.2 and success(deterministic=True) == 1.0, (before, success(deterministic=True))
 
 
+def test_clipped_targets_stop_a_critic_that_overvalues_every_action_from_feeding_itself():
+    """A target critic that says 5 everywhere, where no return exceeds 1: the unclipped TD target carries its 5 into
+    the critics; with `target_range` (0, 1) the target is 1, and the critics' loss is measured against 1."""
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(32, 2), "noise": torch.rand(32, 1) * 2 - 1, "reward": torch.zeros(32), "x_next": torch.randn(32, 2),
+             "done": torch.zeros(32), "discount": torch.ones(32)}  # fmt: skip
+    losses = {}
+    for clip in (None, (0.0, 1.0)):
+        agent = DSRLAgent(2, 1, hidden_dim=16, bound=1.0, target_range=clip)
+        for head in (agent.target.q1, agent.target.q2):
+            head[-1].weight.data.zero_()
+            head[-1].bias.data.fill_(5.0)
+        with torch.no_grad():
+            q1, q2 = agent.critic(batch["x"], batch["noise"])
+        target = 5.0 if clip is None else 1.0
+        expected = float((q1 - target).pow(2).mean() + (q2 - target).pow(2).mean())
+        losses[clip] = agent.update(batch)["critic_loss"]
+        assert losses[clip] == pytest.approx(expected, rel=1e-5), (clip, losses[clip], expected)
+    assert losses[None] > 10 * losses[(0.0, 1.0)]
+    with pytest.raises(ValueError, match="without backup_entropy"):
+        DSRLAgent(2, 1, target_range=(0.0, 1.0), backup_entropy=True)
+
+
 @pytest.mark.slow
 def test_residual_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_acts_with_it(tmp_path: Path):
     run = train_tiny(tmp_path, "--rl.method", "residual", "--rl.residual.sac_steps", "5", "--rl.residual.scale", "0.2",

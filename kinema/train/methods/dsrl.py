@@ -41,6 +41,7 @@ class SACOptions:
     init_alpha: float = 0.1  # SAC temperature at the start (tuned to the target entropy −dim of the actor's output)
     hidden_dim: int = 256  # of the actor and the critics
     critic_layer_norm: bool = False  # LayerNorm in the critics (RLPD's; ours here): bounds Q's extrapolation
+    clip_targets: bool = False  # ours: the critics' TD targets clamped to [0, 1], the discounted success reward's range
 
     def __post_init__(self) -> None:
         key = f"rl.{self.key}"
@@ -85,7 +86,7 @@ class DSRL(RLMethod):
         self.noise_dim, self.input_dim = self.action_space(pc)
         self.agent = seeded(self.cfg.seed + 6, lambda: DSRLAgent(
             self.input_dim, self.noise_dim, hidden_dim=o.hidden_dim, bound=self.bound, lr=o.lr, tau=o.tau, init_alpha=o.init_alpha,
-            critic_layer_norm=o.critic_layer_norm))  # fmt: skip
+            critic_layer_norm=o.critic_layer_norm, target_range=(0.0, 1.0) if o.clip_targets else None))  # fmt: skip
         self.transitions: dict[str, torch.Tensor] = {}
 
     @property
