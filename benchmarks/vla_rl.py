@@ -27,11 +27,13 @@ then branches from that same checkpoint and the same demonstrations, through the
                    distilled into the policy (evaluated at N = 1, the fair comparison)
     pa_rl_refine   the same with PA-RL's local step (3 gradient steps up the critic per sampled chunk) and γ = 0.97
     dsrl           diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen
-    residual, residual_wide, residual_calm, residual_calm_ln, residual_calm_clip, residual_calm_ln_clip
+    residual, residual_wide, residual_calm, residual_calm_ln, residual_calm_clip, residual_calm_ln_clip,
+    residual_calm_bc, residual_calm_bc_strong
                    residual RL: SAC on a correction (bound ±0.1, wide ±0.2) added to the frozen VLA's deterministic
                    chunk; it can leave the demonstrations' support (ResiP, Policy Decorator); calm: the actor's
                    initial std 0.3 instead of 1 and SAC's temperature 0.001 instead of 0.1 (ours); ln: with
-                   LayerNorm in the critics (RLPD's); clip: TD targets clamped to the returns' range [0, 1] (ours)
+                   LayerNorm in the critics (RLPD's); clip: TD targets clamped to the returns' range [0, 1] (ours);
+                   bc: TD3+BC's term on the actor, weight 0.2 (strong: 1), toward the stored corrections (ours here)
     hg_dagger      HG-DAgger, the control of the habc_hil arms: the same simulated human, its takeovers imitated
                    beside the demos at weight 1, aggregated over rounds
     hg_dagger_correction, habc_hil_ir_correction
@@ -157,6 +159,12 @@ METHODS: dict[str, list[str]] = {
                            "--rl.residual.clip_targets", "true"],
     "residual_calm_ln_clip": ["--rl.method", "residual", "--rl.residual.init_std", "0.3", "--rl.residual.init_alpha", "0.001",
                               "--rl.residual.critic_layer_norm", "true", "--rl.residual.clip_targets", "true"],
+    # ours here: TD3+BC's term keeps the calm actor's mean on the stored corrections, against the same climb; 0.2 is
+    # TD3+BC's 1/2.5 of |Q| at the ~0.5 the calm critics reached
+    "residual_calm_bc": ["--rl.method", "residual", "--rl.residual.init_std", "0.3", "--rl.residual.init_alpha", "0.001",
+                         "--rl.residual.bc_weight", "0.2"],
+    "residual_calm_bc_strong": ["--rl.method", "residual", "--rl.residual.init_std", "0.3", "--rl.residual.init_alpha", "0.001",
+                                "--rl.residual.bc_weight", "1"],
     # Recap (pi*0.6): imitate demos and rollouts alike, conditioned on an improvement indicator from a value of the
     # steps left; and with the simulated human's corrections (always labelled improvements)
     "recap": ["--rl.method", "recap"],

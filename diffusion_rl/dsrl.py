@@ -76,7 +76,7 @@ class DSRLAgent(nn.Module):
     def __init__(
         self, feature_dim: int, noise_dim: int, *, hidden_dim: int = 256, bound: float = 1.5, lr: float = 3e-4,
         tau: float = 0.005, init_alpha: float = 0.1, target_entropy: float | None = None, backup_entropy: bool = False,
-        critic_layer_norm: bool = False, target_range: tuple[float, float] | None = None,
+        critic_layer_norm: bool = False, target_range: tuple[float, float] | None = None, bc_weight: float = 0.0,
     ) -> None:  # fmt: skip
         super().__init__()
         self.actor = NoiseActor(feature_dim, noise_dim, hidden_dim=hidden_dim, bound=bound)
@@ -88,7 +88,9 @@ class DSRLAgent(nn.Module):
         if target_range is not None and (backup_entropy or not target_range[0] < target_range[1]):
             raise ValueError(f"target_range {target_range}: a (low, high) range of the returns, without backup_entropy "
                              "(entropy in the target leaves the returns' range)")
-        self.tau, self.backup_entropy, self.target_range = tau, backup_entropy, target_range
+        if bc_weight < 0:
+            raise ValueError(f"bc_weight must be >= 0; got {bc_weight}")
+        self.tau, self.backup_entropy, self.target_range, self.bc_weight = tau, backup_entropy, target_range, bc_weight
         self.target_entropy = -float(noise_dim) if target_entropy is None else target_entropy
         self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=lr)
         self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=lr)
@@ -101,7 +103,8 @@ class DSRLAgent(nn.Module):
     def update(self, batch: dict[str, Tensor]) -> dict[str, float]:
         """One SAC step on transitions {x (B, F), noise (B, D), reward (B,), x_next (B, F), done (B,), discount (B,)}:
         critics to r + γ^h (1 − done)·min Q_target(x', w'), w' ~ π (− α log π(w'|x') inside with `backup_entropy`;
-        clamped to `target_range`, the returns' range, when given); then the actor; then α."""
+        clamped to `target_range`, the returns' range, when given); then the actor (with `bc_weight`, plus that times
+        the mean squared distance of its mean action to the stored one: TD3+BC's term, keeping it on the data); then α."""
         alpha = self.log_alpha.exp().detach()
         with torch.no_grad():
             w_next, logp_next = self.actor(batch["x_next"])
@@ -120,6 +123,9 @@ class DSRLAgent(nn.Module):
         w, logp = self.actor(batch["x"])
         q_pi = torch.min(*self.critic(batch["x"], w))
         actor_loss = (alpha * logp - q_pi).mean()
+        if self.bc_weight > 0:  # the mean, not the sample: the entropy term already spreads the samples
+            mean_action = self.actor(batch["x"], deterministic=True)[0]
+            actor_loss = actor_loss + self.bc_weight * (mean_action - batch["noise"]).pow(2).mean()
         self.actor_opt.zero_grad(set_to_none=True)
         actor_loss.backward()
         self.actor_opt.step()

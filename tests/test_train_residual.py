@@ -90,6 +90,23 @@ def test_clipped_targets_stop_a_critic_that_overvalues_every_action_from_feeding
         DSRLAgent(2, 1, target_range=(0.0, 1.0), backup_entropy=True)
 
 
+def test_the_bc_term_holds_the_actor_on_the_stored_actions():
+    """TD3+BC's term (`bc_weight`): the critic sees no reward anywhere, so only the term pulls; the actor's mean
+    correction moves to the stored 0.5 with it, and wanders with the untrained critic without."""
+    batch = {"x": torch.randn(64, 2), "noise": torch.full((64, 1), 0.5), "reward": torch.zeros(64), "x_next": torch.randn(64, 2),
+             "done": torch.ones(64), "discount": torch.ones(64)}  # fmt: skip
+    means = {}
+    for weight in (0.0, 10.0):
+        torch.manual_seed(0)
+        agent = DSRLAgent(2, 1, hidden_dim=32, bound=1.0, lr=3e-3, init_alpha=0.001, bc_weight=weight)
+        for _ in range(150):
+            agent.update(batch)
+        means[weight] = float(agent.act(batch["x"], deterministic=True).mean())
+    assert abs(means[10.0] - 0.5) < 0.02 and abs(means[0.0] - 0.5) > 0.1, means
+    with pytest.raises(ValueError, match="bc_weight must be >= 0"):
+        DSRLAgent(2, 1, bc_weight=-1.0)
+
+
 @pytest.mark.slow
 def test_residual_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_acts_with_it(tmp_path: Path):
     run = train_tiny(tmp_path, "--rl.method", "residual", "--rl.residual.sac_steps", "5", "--rl.residual.scale", "0.2",

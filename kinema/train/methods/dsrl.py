@@ -42,12 +42,15 @@ class SACOptions:
     hidden_dim: int = 256  # of the actor and the critics
     critic_layer_norm: bool = False  # LayerNorm in the critics (RLPD's; ours here): bounds Q's extrapolation
     clip_targets: bool = False  # ours: the critics' TD targets clamped to [0, 1], the discounted success reward's range
+    bc_weight: float = 0.0  # ours (TD3+BC's term): the actor's mean pulled toward the stored actions by this weight
 
     def __post_init__(self) -> None:
         key = f"rl.{self.key}"
         for name in ("sac_steps", "batch_size"):
             if getattr(self, name) < 0 or (name == "batch_size" and self.batch_size < 1):
                 raise ValueError(f"{key}.{name} must be >= {1 if name == 'batch_size' else 0}; got {getattr(self, name)}")
+        if self.bc_weight < 0:
+            raise ValueError(f"{key}.bc_weight must be >= 0; got {self.bc_weight}")
         if self.lr <= 0 or self.init_alpha <= 0:
             raise ValueError(f"{key}.lr and {key}.init_alpha must be > 0; got {self.lr}, {self.init_alpha}")
         if not 0 < self.gamma <= 1 or not 0 < self.tau <= 1:
@@ -86,7 +89,8 @@ class DSRL(RLMethod):
         self.noise_dim, self.input_dim = self.action_space(pc)
         self.agent = seeded(self.cfg.seed + 6, lambda: DSRLAgent(
             self.input_dim, self.noise_dim, hidden_dim=o.hidden_dim, bound=self.bound, lr=o.lr, tau=o.tau, init_alpha=o.init_alpha,
-            critic_layer_norm=o.critic_layer_norm, target_range=(0.0, 1.0) if o.clip_targets else None))  # fmt: skip
+            critic_layer_norm=o.critic_layer_norm, target_range=(0.0, 1.0) if o.clip_targets else None,
+            bc_weight=o.bc_weight))  # fmt: skip
         self.transitions: dict[str, torch.Tensor] = {}
 
     @property
