@@ -182,10 +182,16 @@ class DSRL(RLMethod):
         self.transitions = state["transitions"]
 
 
-def steered_runner(policy: Any, state: dict) -> SteeredChunkPolicy:
-    """`kinema eval` of a dsrl checkpoint: the VLA steered by the noise actor it saved (its mean noise)."""
+def saved_actor(state: dict, *, input_dim: int) -> torch.nn.Module:
+    """The actor a dsrl or residual checkpoint saved in its method.pt, in eval mode (`input_dim`: for checkpoints
+    from before the shape kept it, the VLA's feature size)."""
     shape = state["shape"]
-    agent = DSRLAgent(shape.get("input_dim", policy.config.hidden_dim), shape["noise_dim"], hidden_dim=shape["hidden_dim"], bound=shape["bound"],
+    agent = DSRLAgent(shape.get("input_dim", input_dim), shape["noise_dim"], hidden_dim=shape["hidden_dim"], bound=shape["bound"],
                       critic_layer_norm=shape.get("critic_layer_norm", False))  # fmt: skip
     agent.load_state_dict(state["agent"])
-    return SteeredChunkPolicy(policy, agent.actor.eval(), deterministic=True)
+    return agent.actor.eval()
+
+
+def steered_runner(policy: Any, state: dict) -> SteeredChunkPolicy:
+    """`kinema eval` of a dsrl checkpoint: the VLA steered by the noise actor it saved (its mean noise)."""
+    return SteeredChunkPolicy(policy, saved_actor(state, input_dim=policy.config.hidden_dim), deterministic=True)

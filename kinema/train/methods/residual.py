@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from diffusion_rl.dsrl import LOG_STD_RANGE, DSRLAgent
+from diffusion_rl.dsrl import LOG_STD_RANGE
 from kinema.train.evaluate import ResidualChunkPolicy
-from kinema.train.methods.dsrl import DSRL, SACOptions
+from kinema.train.methods.dsrl import DSRL, SACOptions, saved_actor
 
 
 @dataclass
@@ -100,8 +100,5 @@ class Residual(DSRL):
 def residual_runner(policy: Any, state: dict, *, base_noise_scale: float) -> ResidualChunkPolicy:
     """`kinema eval` of a residual checkpoint: the VLA's chunk from initial noise scaled by `base_noise_scale` (its
     run's is `state["shape"]["base_noise_scale"]`) plus the mean correction of the actor it saved."""
-    shape = state["shape"]
-    agent = DSRLAgent(shape["input_dim"], shape["noise_dim"], hidden_dim=shape["hidden_dim"], bound=shape["bound"],
-                      critic_layer_norm=shape.get("critic_layer_norm", False))
-    agent.load_state_dict(state["agent"])
-    return ResidualChunkPolicy(policy, agent.actor.eval(), scale=shape["scale"], base_noise_scale=base_noise_scale)
+    actor = saved_actor(state, input_dim=state["shape"]["input_dim"])
+    return ResidualChunkPolicy(policy, actor, scale=state["shape"]["scale"], base_noise_scale=base_noise_scale)
