@@ -137,6 +137,10 @@ METHODS: dict[str, list[str]] = {
     "habc_nogate": ["--rl.method", "habc", "--rl.habc.gate", "fixed_mix"],
     "habc_nocredit": ["--rl.method", "habc", "--rl.interventions", "true", "--rl.habc.intervention_credit", "false"],
     "nft": ["--rl.method", "nft"],
+    # ours: the demos keep the control's own loss (augmented flow matching), the rollouts add NFT's pull and push in
+    # its velocity form; and with three quarters of every batch from the demos
+    "nft_sftloss": ["--rl.method", "nft", "--rl.nft.demo_loss", "flow"],
+    "nft_sftloss_d75": ["--rl.method", "nft", "--rl.nft.demo_loss", "flow", "--rl.demo_fraction", "0.75"],
     # our variant: a success in T steps earns gamma^(T-1), so a faster success counts more within the round
     "nft_speed": ["--rl.method", "nft", "--rl.nft.reward", "discounted"],
     "pa_rl": ["--rl.method", "pa_rl"],

@@ -97,10 +97,11 @@ def test_nft_discounted_reward_ranks_a_faster_success_above_a_slower_one():
         load_config(None, ["--rl.method", "nft", "--rl.nft.reward", "speed"])
 
 
-def test_nft_actor_update_moves_towards_successful_chunks_and_away_from_failed_ones():
+@pytest.mark.parametrize("demo_loss", ["nft", "flow"])
+def test_nft_actor_update_moves_towards_successful_chunks_and_away_from_failed_ones(demo_loss):
     """A known answer: replay holds one observation with two recorded chunks, +0.8 (success) and −0.8 (failure).
     After NFT updates (no demos) the policy's chunks for it lie nearer the success than before, and nearer it than
-    the failure."""
+    the failure; in either loss form (flow: NFT's velocity form on the rollouts)."""
     policy = tiny_policy().eval()
     batch = synthetic_batch(policy, n=1)
     observation = {k: v for k, v in batch.items() if k.startswith("observation.")}
@@ -117,13 +118,42 @@ def test_nft_actor_update_moves_towards_successful_chunks_and_away_from_failed_o
 
     before = mean_chunk()
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    loss = nft_actor_loss(copy.deepcopy(policy).requires_grad_(False), np.repeat(np.array([1.0, 0.0], np.float32), n), beta=1.0, adv_clip_max=5.0)
+    loss = nft_actor_loss(copy.deepcopy(policy).requires_grad_(False), np.repeat(np.array([1.0, 0.0], np.float32), n), beta=1.0, adv_clip_max=5.0,
+                          demo_loss=demo_loss)
     actor_updates(
         policy, optimizer, steps=60, batch_size=8, demos=buffer, replay=buffer, replay_weights=np.ones(len(buffer)),
         demo_fraction=0.0, aux_weight=0.0, rng=np.random.default_rng(0), loss_fn=loss, train_mode=False,
     )  # fmt: skip
     after = mean_chunk()
     assert after > before + 0.2 and after > 0.0, (before, after)
+
+
+def test_nft_flow_demo_loss_is_the_controls_augmented_flow_loss_on_demos_and_nfts_on_rollouts():
+    """rl.nft.demo_loss flow: a batch's demonstration rows get exactly SFT's per-sample flow loss in train mode (with
+    its random-shift augmentation), its rollout rows NFT's velocity-form loss on the unaugmented context, and the
+    policy is back in eval mode for the rest of the step."""
+    policy = tiny_policy().eval()
+    assert policy.config.augment_shift > 0
+    old = copy.deepcopy(policy).requires_grad_(False)
+    batch = synthetic_batch(policy, n=6)
+    r_replay = np.array([0.9, 0.1, 0.5], np.float32)
+    replay_index = np.array([0, 1, 2])
+    loss = nft_actor_loss(old, r_replay, beta=1.0, adv_clip_max=5.0, demo_loss="flow")
+    torch.manual_seed(3)
+    context, _ = policy.encode(batch)
+    got = loss(policy, batch, context, replay_index)
+    assert not policy.training and got.shape == (6,)
+    torch.manual_seed(3)
+    policy.encode(batch)  # the same draws as above, up to the loss
+    policy.train(True)
+    demo = {k: v[:3] for k, v in batch.items()}
+    want_demo = policy.flow_loss(demo)
+    policy.train(False)
+    rollout = {k: v[3:] for k, v in batch.items()}
+    want_rollout = policy.nft_loss(rollout, old=old, r=torch.from_numpy(r_replay), context=context[3:], space="velocity")
+    torch.testing.assert_close(got, torch.cat([want_demo, want_rollout]))
+    with pytest.raises(ValueError, match="rl.nft.demo_loss 'sft' is not known; valid: nft, flow"):
+        load_config(None, ["--rl.method", "nft", "--rl.nft.demo_loss", "sft"])
 
 
 def test_nft_refuses_interventions_and_nonpositive_settings():

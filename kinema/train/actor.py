@@ -146,6 +146,11 @@ def concat_batches(parts: Sequence[dict]) -> dict:
     return {k: (sum((p[k] for p in parts), []) if k == "task" else torch.cat([p[k] for p in parts])) for k in keys}
 
 
+def take_rows(batch: dict, rows: slice) -> dict:
+    """The rows `rows` of a batch that `concat_batches` built (its inverse on one part)."""
+    return {k: v[rows] for k, v in batch.items()}
+
+
 @torch.no_grad()
 def ema_update(ema: Any, online: Any, decay: float) -> None:
     """Exponential moving average of the weights: the policy that acts. Flow policies trained on small data

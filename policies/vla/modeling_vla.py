@@ -283,9 +283,11 @@ class VLAPolicy(ChunkedActing, nn.Module):
         beta: float = 1.0,
         adv_clip_max: float = 5.0,
         context: Tensor | None = None,
+        space: str = "x0_adaptive",
     ) -> Tensor:
         """Per-sample DiffusionNFT loss (B,) on recorded action chunks (`diffusion_rl.flow.nft_loss`): `old` is the
-        policy that sampled them, `r` (B,) the positive-branch weight (1: imitate, as a demo; 0: move away from)."""
+        policy that sampled them, `r` (B,) the positive-branch weight (1: imitate, as a demo; 0: move away from);
+        `space` the loss's form (the official x0_adaptive, or the textbook velocity MSE)."""
         actions = torch.as_tensor(batch["action"], device=self.device, dtype=torch.float32)
         context = self.features(batch) if context is None else context
         t = sample_time(actions.shape[0], distribution=self.config.time_distribution, device=self.device)
@@ -296,7 +298,7 @@ class VLAPolicy(ChunkedActing, nn.Module):
         mask = None if pad is None else ~torch.as_tensor(pad, device=self.device)
         return nft_loss(
             self.expert(x_t, t, context), v_old, x_t=x_t, x0=actions, t=t, r=r.to(self.device), beta=beta,
-            adv_clip_max=adv_clip_max, mask=mask,
+            adv_clip_max=adv_clip_max, mask=mask, space=space,
         )  # fmt: skip
 
     def aux_loss(self, batch: Mapping[str, Any], aux_features: Tensor) -> Tensor:

@@ -2,6 +2,11 @@
 official code). Every rollout of the round trains: a success towards its chunks, a failure away from them, by
 r = clip(A / A_max)/2 + ½ of its outcome advantage within the round. On-policy: the newest round only.
 
+`rl.nft.demo_loss flow` (ours) gives the demonstration rows of each batch the control's own loss, plain flow matching
+with SFT's augmentation, and the rollout rows NFT's loss in its textbook velocity form (at β = 1 a positive's is that
+same flow loss, so the two terms share one scale): the arm is continued SFT plus the rollouts' pull and push. As
+written, the demonstrations are NFT positives (r = 1) in the same unaugmented pass as the rollouts.
+
 `rl.nft.reward discounted` (ours) rewards a success by γ^(steps − 1) instead of 1, so that within a round a faster
 success counts more than a slower one: the only signal the episode outcome gives for speed."""
 
@@ -17,11 +22,12 @@ import torch
 from diffusion_rl.advantages import grpo_advantages
 from diffusion_rl.data import Episode
 from diffusion_rl.flow import nft_weight
-from kinema.train.actor import ActorLoss
+from kinema.train.actor import ActorLoss, take_rows
 from kinema.train.methods.base import RLMethod
 
 
 NFT_REWARDS = ("outcome", "discounted")
+NFT_DEMO_LOSSES = ("nft", "flow")
 
 
 @dataclass
@@ -30,6 +36,7 @@ class NFTOptions:
     adv_clip_max: float = 5.0  # A_max: advantages are clipped to ±A_max before r = clip(A / A_max)/2 + ½
     reward: str = "outcome"  # outcome: 1 success, 0 failure (as DiffusionNFT) | discounted: gamma^(steps-1) per success (ours)
     gamma: float = 0.98  # per env step, for reward discounted
+    demo_loss: str = "nft"  # nft: demos are NFT positives, as written | flow: the control's augmented flow loss on demos, NFT's velocity form on rollouts (ours)
 
     def __post_init__(self) -> None:
         for name in ("beta", "adv_clip_max"):
@@ -37,6 +44,8 @@ class NFTOptions:
                 raise ValueError(f"rl.nft.{name} must be > 0; got {getattr(self, name)}")
         if self.reward not in NFT_REWARDS:
             raise ValueError(f"rl.nft.reward {self.reward!r} is not known; valid: {', '.join(NFT_REWARDS)}")
+        if self.demo_loss not in NFT_DEMO_LOSSES:
+            raise ValueError(f"rl.nft.demo_loss {self.demo_loss!r} is not known; valid: {', '.join(NFT_DEMO_LOSSES)}")
         if not 0 < self.gamma <= 1:
             raise ValueError(f"rl.nft.gamma must be in (0, 1]; got {self.gamma}")
 
@@ -60,21 +69,37 @@ class NFT(RLMethod):
         r_per_step, sampling, diag = nft_step_weights(rollouts.episodes, adv_clip_max=o.adv_clip_max,
                                                    gamma=o.gamma if o.reward == "discounted" else 1.0)
         old = copy.deepcopy(self.learner.acting).requires_grad_(False).eval()
-        loss = nft_actor_loss(old, np.concatenate(r_per_step), beta=o.beta, adv_clip_max=o.adv_clip_max)
+        loss = nft_actor_loss(old, np.concatenate(r_per_step), beta=o.beta, adv_clip_max=o.adv_clip_max,
+                              demo_loss=o.demo_loss)
         record.update(diag)
         # Eval mode: policy and old policy must see the very same inputs (no augmentation), so that v_θ − v_old is
         # the update alone.
         self.imitate(rollouts, np.concatenate(sampling), record, progress, loss_fn=loss, train_mode=False)
 
 
-def nft_actor_loss(old, r_replay: np.ndarray, *, beta: float, adv_clip_max: float) -> ActorLoss:
+def nft_actor_loss(
+    old, r_replay: np.ndarray, *, beta: float, adv_clip_max: float, demo_loss: str = "nft"
+) -> ActorLoss:  # fmt: skip
     """DiffusionNFT's per-sample loss for `actor_updates`: `old` is the policy that sampled the round (frozen),
-    `r_replay` each replay step's positive-branch weight; demonstrations count as positives (r = 1)."""
+    `r_replay` each replay step's positive-branch weight; demonstrations count as positives (r = 1).
+    demo_loss "flow": the demonstration rows take SFT's flow loss in train mode (augmented) instead, and the
+    rollout rows NFT's velocity-form loss (the batch runs in eval mode, so `context` is unaugmented)."""
 
     def loss(policy, batch, context, replay_index):
         n_demo = len(batch["task"]) - len(replay_index)
-        r = torch.from_numpy(np.concatenate([np.ones(n_demo, np.float32), r_replay[replay_index]]))
-        return policy.nft_loss(batch, old=old, r=r, beta=beta, adv_clip_max=adv_clip_max, context=context)
+        if demo_loss == "nft":
+            r = torch.from_numpy(np.concatenate([np.ones(n_demo, np.float32), r_replay[replay_index]]))
+            return policy.nft_loss(batch, old=old, r=r, beta=beta, adv_clip_max=adv_clip_max, context=context)
+        parts = []
+        if n_demo:
+            policy.train(True)
+            parts.append(policy.flow_loss(take_rows(batch, slice(0, n_demo))))
+            policy.train(False)
+        if len(replay_index):
+            r = torch.from_numpy(np.asarray(r_replay[replay_index], np.float32))
+            parts.append(policy.nft_loss(take_rows(batch, slice(n_demo, None)), old=old, r=r, beta=beta,
+                                         adv_clip_max=adv_clip_max, context=context[n_demo:], space="velocity"))
+        return torch.cat(parts)
 
     return loss
 
