@@ -135,6 +135,19 @@ def test_demo_regimes_are_checked_before_any_run(tmp_path: Path):
     assert not (tmp_path / "bench").exists()
 
 
+def test_arms_without_their_control_are_warned_of(tmp_path: Path):
+    def stderr(methods: str) -> str:  # refused afterwards by a bad --demos, so that nothing trains
+        done = subprocess.run([sys.executable, str(BENCH), "--tasks", "drawer", "--out", str(tmp_path / "bench"),
+                               "--methods", methods, "--demos", "human"], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2 and "--demos: 'human'" in done.stderr
+        return done.stderr
+
+    assert "none of the controls sft_continued, sft_continued_rwr: the JSON will have no best_rl_margin_over_control" in stderr("nft")
+    assert "best_hil_margin_over_hg_dagger" in stderr("sft_continued,habc_hil_ir")
+    assert "warning" not in stderr("sft_continued,nft") and "warning" not in stderr("sft_continued,hg_dagger,habc_hil_ir")
+    assert "warning" not in stderr("sft_continued")
+
+
 def test_task_entry_gives_the_margins_over_each_control():
     """best_rl_margin_over_control is over the RL arms only (not HG-DAgger, an imitation arm) against the better
     continued-SFT control, and
