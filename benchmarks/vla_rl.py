@@ -455,9 +455,9 @@ def main() -> None:
     methods = (args.methods or ",".join(HEADLINE if args.quick else METHODS)).split(",")
     if unknown := [m for m in methods if m not in METHODS]:
         parser.error(f"--methods: unknown arm(s) {', '.join(unknown)}; valid: {', '.join(METHODS)}")
-    for arms, controls, margin in ((NOT_RL, CONTROLS, "best_rl_margin_over_control"),
-                                   (tuple(set(METHODS) - set(HIL_ARMS)), HIL_CONTROLS, "best_hil_margin_over_hg_dagger")):  # fmt: skip
-        if any(m not in arms for m in methods) and not any(c in methods for c in controls):
+    for arms, controls, margin in ((set(METHODS) - set(NOT_RL), CONTROLS, "best_rl_margin_over_control"),
+                                   (set(HIL_ARMS), HIL_CONTROLS, "best_hil_margin_over_hg_dagger")):  # fmt: skip
+        if arms & set(methods) and not set(controls) & set(methods):
             print(f"vla_rl: warning: --methods has none of the controls {', '.join(controls)}: the JSON will have no "
                   f"{margin} (add one; a finished run is reused)", file=sys.stderr)  # fmt: skip
     regimes = (args.demos or ("scripted" if args.quick else ",".join(REGIMES))).split(",")
