@@ -49,6 +49,10 @@ class VLAConfig:
     aux_input: str = "fused"
     state_dropout: float = 0.0  # training only: per-sample probability of zeroing the normalised EE pose (state[:7])
     augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables
+    # Training only, tiny backbone: instructions start at a random word position, and this share of them get one or
+    # two random letter strings inserted (the encoder learns word order and to pass over unknown words).
+    text_position_jitter: bool = True
+    text_filler_words: float = 0.5
     # Recap's improvement indicator (rl.method recap): the action expert also reads whether a step was an improvement
     # (diffusion_rl.recap: 0 unconditioned, 1 an improvement, 2 not one), as a learned embedding added to its context.
     advantage_input: bool = False
@@ -90,6 +94,8 @@ class VLAConfig:
             raise ValueError(f"VLAConfig.aux_input must be 'perception' or 'fused'; got {self.aux_input!r}")
         if not 0.0 <= self.state_dropout < 1.0:
             raise ValueError(f"VLAConfig.state_dropout must be in [0, 1); got {self.state_dropout}")
+        if not 0.0 <= self.text_filler_words <= 1.0:
+            raise ValueError(f"VLAConfig.text_filler_words is a share of instructions, in [0, 1]; got {self.text_filler_words}")
         if not self.cameras:
             raise ValueError("VLAConfig.cameras must name at least one camera")
         if self.inference_noise_scale < 0:

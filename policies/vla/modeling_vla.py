@@ -220,8 +220,10 @@ class VLAPolicy(ChunkedActing, nn.Module):
         if self.prefix is not None:
             context = self.prefix([self._image(batch, cam) for cam in self.config.cameras], list(batch["task"]), state)
             return context, context
-        ids, mask = self.tokenizer(list(batch["task"]), self.device)
-        _, text = self.text(ids, mask)
+        # Training only: instructions at a random start position, some with unknown words inserted, so that the
+        # encoder reads word order and passes over words it does not know (held-out paraphrases).
+        ids, mask = self.tokenizer(list(batch["task"]), self.device, filler_words=self.config.text_filler_words if self.training else 0.0)
+        _, text = self.text(ids, mask, jitter_positions=self.training and self.config.text_position_jitter)
         perception = torch.cat([*(self.vision[cam](self._image(batch, cam), text) for cam in self.config.cameras), text], dim=-1)
         context = self.fuse(torch.cat([perception, self.state_mlp(state)], dim=-1))
         return context, (perception if self.config.aux_input == "perception" else context)

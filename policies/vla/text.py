@@ -38,13 +38,27 @@ class HashTokenizer:
             self._cache[text] = [word_ngrams(w, self.buckets) for w in words]
         return self._cache[text]
 
-    def __call__(self, texts: list[str], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    def __call__(self, texts: list[str], device: torch.device | str = "cpu", *, filler_words: float = 0.0) -> tuple[Tensor, Tensor]:
+        """`filler_words` (training): the share of instructions that get one or two random letter strings inserted
+        at random places, so that the encoder learns to pass over words it does not know ("could you", "dish")."""
         ids = torch.zeros(len(texts), self.max_words, MAX_NGRAMS_PER_WORD, dtype=torch.long)
         for b, text in enumerate(texts):
-            for w, grams in enumerate(self.words(text)):
+            words = self.words(text)
+            if filler_words and torch.rand(()) < filler_words:
+                words = self._with_fillers(words)
+            for w, grams in enumerate(words):
                 ids[b, w, : len(grams)] = torch.tensor(grams)
         mask = ids[:, :, 0] > 0
         return ids.to(device), mask.to(device)
+
+
+    def _with_fillers(self, words: list[list[int]]) -> list[list[int]]:
+        words = list(words)
+        for _ in range(min(int(torch.randint(1, 3, ())), self.max_words - len(words))):
+            letters = torch.randint(0, 26, (int(torch.randint(3, 8, ())),)).tolist()
+            filler = word_ngrams("".join(chr(ord("a") + i) for i in letters), self.buckets)
+            words.insert(int(torch.randint(0, len(words) + 1, ())), filler)
+        return words
 
 
 class TextEncoder(nn.Module):
@@ -59,9 +73,17 @@ class TextEncoder(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False) if layers else None
         self.norm = nn.LayerNorm(dim)
 
-    def forward(self, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, ids: Tensor, mask: Tensor, *, jitter_positions: bool = False) -> tuple[Tensor, Tensor]:
+        """`jitter_positions` (training): each instruction's words take the positions from a random start in
+        0..max_words − its length, so that the encoder learns word order rather than which slot a word sits in
+        (a paraphrase that moves the object two words on is then still read)."""
         B, W, G = ids.shape
-        words = self.embed(ids.reshape(B * W, G)).reshape(B, W, -1) + self.position[:W]
+        slots = torch.arange(W, device=ids.device).expand(B, W)
+        if jitter_positions:
+            room = (self.position.shape[0] - mask.sum(1, keepdim=True)).clamp(min=0)
+            start = (torch.rand(B, 1, device=ids.device) * (room + 1)).long()
+            slots = (slots + start).clamp(max=self.position.shape[0] - 1)
+        words = self.embed(ids.reshape(B * W, G)).reshape(B, W, -1) + self.position[slots]
         if self.encoder is not None:
             words = self.encoder(words, src_key_padding_mask=~mask)
         words = self.norm(words) * mask[..., None]
