@@ -21,7 +21,6 @@ def tiny_config(**kw) -> VLAConfig:
     base = dict(
         image_size=32, vision_channels=(8, 16, 16), vision_dim=32, text_dim=16, hidden_dim=32, expert_hidden=64,
         expert_layers=2, state_hidden=16, chunk_size=4, n_action_steps=2, num_flow_steps=4, augment_shift=0,
-        text_position_jitter=False, text_filler_words=0.0,  # training augmentations off: tests compare passes
     )  # fmt: skip
     base.update(kw)
     return VLAConfig(**base)

@@ -127,8 +127,8 @@ class PolicyOptions:
     aux_input: str = "fused"  # what the privileged-position head reads: "fused" (+ state) | "perception" (images + text only)
     state_dropout: float = 0.0  # probability of hiding the end-effector pose from the policy per training sample
     augment_shift: int = 4  # random-shift augmentation in training (pixels); 0 disables
-    text_position_jitter: bool = True  # instructions start at a random word position in training (tiny backbone)
-    text_filler_words: float = 0.5  # share of training instructions given 1-2 random unknown words (tiny backbone)
+    text_position_jitter: bool = False  # instructions start at a random word position in training (tiny backbone)
+    text_filler_words: float = 0.0  # share of training instructions given 1-2 random unknown words (e.g. 0.5)
     ema_decay: float = 0.995  # the acting/evaluated policy is an EMA of the trained weights (0: no average)
     # --- type "video" only (ignored by the VLA; see policies/video_policy) ---
     video_size: int = 32  # side of the frames the video model denoises

@@ -49,10 +49,11 @@ class VLAConfig:
     aux_input: str = "fused"
     state_dropout: float = 0.0  # training only: per-sample probability of zeroing the normalised EE pose (state[:7])
     augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables
-    # Training only, tiny backbone: instructions start at a random word position, and this share of them get one or
-    # two random letter strings inserted (the encoder learns word order and to pass over unknown words).
-    text_position_jitter: bool = True
-    text_filler_words: float = 0.5
+    # Training only, tiny backbone (ours): instructions start at a random word position, and this share of them get
+    # one or two random letter strings inserted, so that the encoder reads word order and passes over unknown words
+    # (held-out paraphrases: benchmarks/instruction_probe.py). Off by default: no success gain measured yet.
+    text_position_jitter: bool = False
+    text_filler_words: float = 0.0
     # Recap's improvement indicator (rl.method recap): the action expert also reads whether a step was an improvement
     # (diffusion_rl.recap: 0 unconditioned, 1 an improvement, 2 not one), as a learned embedding added to its context.
     advantage_input: bool = False

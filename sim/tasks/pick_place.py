@@ -63,7 +63,7 @@ class PickPlaceEnv(TabletopEnv):
         for i in range(2):
             self.model.body_pos[self.model.body(f"plate{i}").id] = [*xy[len(self.active) + i], PLATE_HALF_HEIGHT]
             self.set_color(f"plate{i}", cfg.colors[plate_colors[i]])
-        self.target, self.descriptions = self.active[0], descriptions
+        self.target, self.descriptions = self.active[0], descriptions  # (colour, shape) of each object, target first
         color, shape = descriptions[0]
         templates = getattr(self.instructions, self.instruction_split)
         return templates[rng.integers(len(templates))].format(object=f"{color} {shape}", plate=self.plate_color)

@@ -65,7 +65,7 @@ class PushEnv(TabletopEnv):
         self.region_color = region_colors[rng.integers(len(region_colors))]
         self.model.body_pos[self.model.body("region").id] = [*xy[-1], 0.001]
         self.set_color("region", self.region_color)
-        self.target = self.active[0]
+        self.target, self.descriptions = self.active[0], descriptions  # (colour, shape) of each object, target first
         self.start_distance = float(np.linalg.norm(xy[0] - xy[-1]))
         templates = getattr(self.instructions, self.instruction_split)
         color, shape = descriptions[0]
