@@ -220,8 +220,7 @@ class VLAPolicy(ChunkedActing, nn.Module):
         if self.prefix is not None:
             context = self.prefix([self._image(batch, cam) for cam in self.config.cameras], list(batch["task"]), state)
             return context, context
-        # Training only: instructions at a random start position, some with unknown words inserted, so that the
-        # encoder reads word order and passes over words it does not know (held-out paraphrases).
+        # Word-order augmentations of the instruction, in training only (off by default: VLAConfig).
         ids, mask = self.tokenizer(list(batch["task"]), self.device, filler_words=self.config.text_filler_words if self.training else 0.0)
         _, text = self.text(ids, mask, jitter_positions=self.training and self.config.text_position_jitter)
         perception = torch.cat([*(self.vision[cam](self._image(batch, cam), text) for cam in self.config.cameras), text], dim=-1)

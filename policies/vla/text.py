@@ -51,7 +51,6 @@ class HashTokenizer:
         mask = ids[:, :, 0] > 0
         return ids.to(device), mask.to(device)
 
-
     def _with_fillers(self, words: list[list[int]]) -> list[list[int]]:
         words = list(words)
         for _ in range(min(int(torch.randint(1, 3, ())), self.max_words - len(words))):
