@@ -38,17 +38,15 @@ from sim.rollout import make_env
 def template_fields(text: str, templates: tuple[str, ...]) -> dict[str, str]:
     """The field values ({object}, {plate}, ...) of an instruction written from one of `templates`."""
     for template in templates:
-        names = [name for _, name, _, _ in string.Formatter().parse(template) if name]
-        pattern = "^" + "".join(
-            lit.replace(" ", r"\s") + (f"(?P<{name}>.+?)" if name else "") for lit, name, _, _ in string.Formatter().parse(template)
-        ) + "$"
-        if match := re.match(pattern, text):
-            return {name: match.group(name) for name in names}
+        parts = string.Formatter().parse(template)
+        pattern = "".join(re.escape(lit) + (f"(?P<{name}>.+?)" if name else "") for lit, name, _, _ in parts)
+        if match := re.fullmatch(pattern, text):
+            return match.groupdict()
     raise ValueError(f"instruction {text!r} was not written from any of the task's training templates {templates}")
 
 
-def probe(policy, task: str, layouts: int, image_size: int) -> dict[str, float]:
-    env = make_env(task, image_size=image_size)
+def probe(policy, task: str, layouts: int) -> dict[str, float]:
+    env = make_env(task, image_size=policy.config.image_size)
     train, heldout = env.instructions.train, env.instructions.heldout
     if not all("{object}" in t for t in (*train, *heldout)):
         raise ValueError(f"task {task!r}: its templates must name an {{object}} to swap for a distractor")
@@ -90,7 +88,7 @@ def main() -> None:
     results = {}
     for path in args.policy:
         policy = load_policy(path).eval()
-        results[path] = probe(policy, args.task, layouts, policy.config.image_size)
+        results[path] = probe(policy, args.task, layouts)
         print(f"{path}: {results[path]}", flush=True)
     print(json.dumps({"task": args.task, "layouts": layouts, "policies": results, "machine": platform.machine()}))
 
