@@ -18,7 +18,7 @@ The pipeline robomimic's datasets come from, step by step, without robomimic ins
    every `robot0_*` observable but the proprio-state; `next_obs` is the next state's view (the last one from
    `env.step`), `rewards` the sparse reward of the next state, `dones` 1 on success or at the end.
 
-Used by tests/test_robosuite_robomimic.py; run it to write a file by hand:
+Used by tests/test_robosuite_robomimic*.py; run it to write a file by hand:
     python tests/robomimic_lift.py --demos 20 --out lift.hdf5
 """
 
