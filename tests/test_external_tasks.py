@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gymnasium as gym
 import pytest
 
 HERE = Path(__file__).parent
@@ -80,3 +81,30 @@ def test_an_external_task_that_misses_the_contract_gets_an_error_that_says_what_
     assert bad.returncode == 2 and "has no scripted expert" in bad.stderr and "--dataset DIR" in bad.stderr
     bad = kinema("sim", "collect", "--task", TASK, "--episodes", "1", "--out", str(tmp_path / "d"))
     assert bad.returncode == 2 and "collect with --policy" in bad.stderr and "Traceback" not in bad.stderr
+
+
+class SlideMarkerDiscrete(gym.Env):
+    """The example's marker with a discrete action space: its observations meet the contract, its actions do not."""
+
+    def __init__(self) -> None:
+        from external_task_example import SlideMarker
+
+        self.inner = SlideMarker()
+        self.observation_space, self.action_space = self.inner.observation_space, gym.spaces.Discrete(3)
+
+
+def test_an_everyday_gymnasium_env_is_refused_at_make_naming_the_contract(tmp_path: Path):
+    """CartPole's Box observations and Discrete actions cannot be mapped onto kinema's cameras, state and 7-float
+    end-effector actions: the task is refused when made, saying which space misses what (it crashed deep in the
+    random policy with "'Box' object has no attribute 'spaces'")."""
+    sys.path.insert(0, str(HERE))
+    from sim.tasks import make
+
+    with pytest.raises(ValueError, match=r"'gym:CartPole-v1': its observation space is Box\(4,\), not a Dict.*observation.state"):
+        make("gym:CartPole-v1")
+    with pytest.raises(ValueError, match=r"its action space is Discrete\(3\); kinema's policies act with a Box of 7 floats"):
+        make("test_external_tasks:SlideMarkerDiscrete", {"keys": CONFIG["keys"]})
+    bad = kinema("sim", "collect", "--task", "gym:CartPole-v1", "--policy", "random", "--episodes", "1",
+                 "--out", str(tmp_path / "d"))
+    assert bad.returncode == 2 and "observation space is Box(4,)" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "d").exists()

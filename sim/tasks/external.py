@@ -14,7 +14,8 @@ The contract an external task meets, so that `kinema sim`, `kinema train` and `k
 - `info["is_success"]`: the outcome, true on the step the task is solved (which should terminate the episode);
 - optional: `info["privileged"]` (a dict of arrays: auxiliary targets in training), `render()` (an RGB frame, for
   videos), an `image_size` constructor argument (the camera side kinema asks for).
-The episode length is the config's `horizon`, else the env's `spec.max_episode_steps`, else 200. Every other task
+An env whose observation space is not a Dict (gymnasium's CartPole: a Box) or whose action space is not a Box of 7
+is refused when made, with an error naming the space and this contract. The episode length is the config's `horizon`, else the env's `spec.max_episode_steps`, else 200. Every other task
 config key goes to the env's constructor (`--task-config '{"key": value}'`). Held-out instruction or object
 splits exist only where the env takes `instructions=`/`objects=` arguments; otherwise evaluating one is reported as
 not applicable.
@@ -100,6 +101,11 @@ def _parameters(target: Any) -> set[str] | None:
     return {p.name for p in params}
 
 
+def _describe(space: gym.Space) -> str:
+    """A space in a few characters: a Box's bounds can fill lines."""
+    return f"Box{space.shape}" if isinstance(space, gym.spaces.Box) else str(space)
+
+
 def env_class(name: str) -> type:
     """`package.module:Class`, imported, with an error that says which part was not found."""
     module_name, _, attr = name.partition(":")
@@ -123,14 +129,20 @@ class ExternalTask(gym.Wrapper):
         self.task_name, self.keys, self.instruction = name, dict(keys), instruction
         self.config = SimpleNamespace(horizon=horizon)
         self.steps = 0
-        space = env.observation_space
-        if isinstance(space, gym.spaces.Dict):
-            renamed = {ours: space[theirs] for ours, theirs in self.keys.items() if theirs in space.spaces}
-            kept = {k: v for k, v in space.spaces.items() if k not in self.keys.values()}
-            spaces = {**kept, **renamed}
-            if "task" not in spaces:
-                spaces["task"] = gym.spaces.Text(max_length=256)
-            self.observation_space = gym.spaces.Dict(spaces)
+        space, actions = env.observation_space, env.action_space
+        if not isinstance(space, gym.spaces.Dict):
+            raise ValueError(f"task {name!r}: its observation space is {_describe(space)}, not a Dict: kinema's external-task contract "
+                             f"wants a dict with {list(REQUIRED)} (camera images uint8 HxWx3, state float32 (8,)) and "
+                             "'task', its own names mapped by the task config's `keys` (sim/tasks/external.py)")
+        if not (isinstance(actions, gym.spaces.Box) and actions.shape == (7,)):
+            raise ValueError(f"task {name!r}: its action space is {_describe(actions)}; kinema's policies act with a Box of 7 floats "
+                             "in [-1, 1] (end-effector translation 3, rotation 3, gripper 1) (sim/tasks/external.py)")
+        renamed = {ours: space[theirs] for ours, theirs in self.keys.items() if theirs in space.spaces}
+        kept = {k: v for k, v in space.spaces.items() if k not in self.keys.values()}
+        spaces = {**kept, **renamed}
+        if "task" not in spaces:
+            spaces["task"] = gym.spaces.Text(max_length=256)
+        self.observation_space = gym.spaces.Dict(spaces)
 
     def _obs(self, obs: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(obs, dict):
