@@ -15,10 +15,10 @@ The contract an external task meets, so that `kinema sim`, `kinema train` and `k
 - optional: `info["privileged"]` (a dict of arrays: auxiliary targets in training), `render()` (an RGB frame, for
   videos), an `image_size` constructor argument (the camera side kinema asks for).
 An env whose observation space is not a Dict (gymnasium's CartPole: a Box) or whose action space is not a Box of 7
-is refused when made, with an error naming the space and this contract. The episode length is the config's `horizon`, else the env's `spec.max_episode_steps`, else 200. Every other task
-config key goes to the env's constructor (`--task-config '{"key": value}'`). Held-out instruction or object
-splits exist only where the env takes `instructions=`/`objects=` arguments; otherwise evaluating one is reported as
-not applicable.
+is refused when made, with an error naming the space and this contract. The episode length is the config's
+`horizon`, else the env's `spec.max_episode_steps`, else 200. Every other task config key goes to the env's
+constructor (`--task-config '{"key": value}'`). Held-out instruction or object splits exist only where the env takes
+`instructions=`/`objects=` arguments; otherwise evaluating one is reported as not applicable.
 """
 
 from __future__ import annotations
