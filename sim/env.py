@@ -239,8 +239,17 @@ class TabletopEnv(gym.Env):
         """Place objects and colours for a new episode (model/data already reset); return the instruction."""
         raise NotImplementedError
 
-    def is_success(self) -> bool:
+    def target_reached(self) -> bool:
+        """What the instruction names is done (the named drawer open, the named object on the named plate)."""
         raise NotImplementedError
+
+    def wrong_target(self) -> bool:
+        """An outcome the instruction did not ask for (the other drawer open, another object on the plate): RL finds
+        every such loophole in a lenient test, so it fails the episode however the named target stands."""
+        return False
+
+    def is_success(self) -> bool:
+        return self.target_reached() and not self.wrong_target()
 
     def privileged(self) -> dict[str, np.ndarray]:
         raise NotImplementedError
@@ -334,7 +343,8 @@ class TabletopEnv(gym.Env):
         return obs
 
     def _info(self, success: bool) -> dict[str, Any]:
-        return {"is_success": bool(success), "privileged": self.privileged(), "progress": self.progress()}
+        return {"is_success": bool(success), "wrong_target": self.wrong_target(), "privileged": self.privileged(),
+                "progress": self.progress()}
 
     # ----- helpers for task subclasses -----------------------------------------------------------------------------
     def sample_layout(self, rng: np.random.Generator, n: int, *, radius: float | None = None) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mujoco
 import numpy as np
 import pytest
 
@@ -241,3 +242,63 @@ def test_an_episode_is_its_seeds_alone_whatever_the_env_played_before(task):
             np.testing.assert_array_equal(obs_used[key], obs_fresh[key])
     used.close()
     fresh.close()
+
+
+def test_success_is_strict_another_target_reached_fails_the_episode():
+    """Success means what the instruction asks: the named target reached and nothing else the instruction did not ask
+    for (RL learned to pull both drawers when the lenient test paid for it). `info["wrong_target"]` says which."""
+
+    def place(env, slot, xy, z):
+        env.set_free_body(slot.body, np.array([*xy, z]))
+        mujoco.mj_forward(env.model, env.data)
+
+    def outcome(env):  # one step of a zero action: what the episode reports
+        _, reward, terminated, _, info = env.step(np.zeros(7, np.float32))
+        return info["is_success"], info["wrong_target"], terminated, reward
+
+    env = make("drawer")
+    env.reset(seed=0)
+    other = "bottom" if env.which == "top" else "top"
+    env.data.qpos[env.joint_adr[env.which]] = 0.15
+    mujoco.mj_forward(env.model, env.data)
+    assert outcome(env) == (True, False, True, 1.0)
+    env.data.qpos[env.joint_adr[other]] = 0.15
+    mujoco.mj_forward(env.model, env.data)
+    assert env.target_reached() and outcome(env) == (False, True, False, 0.0)
+
+    env = make("pick_place")
+    env.reset(seed=0)
+    plate, other_plate = env.goal_pos(), env.model.body_pos[env.model.body("plate1").id].copy()
+    target, distractor = env.active[0], env.active[1]
+    place(env, target, plate[:2] - [0.022, 0], env.place_height())
+    assert outcome(env)[:2] == (True, False)
+    env.reset(seed=0)
+    place(env, target, plate[:2] - [0.022, 0], env.place_height())
+    place(env, distractor, plate[:2] + [0.022, 0], env.place_height())
+    assert env.target_reached() and outcome(env)[:2] == (False, True)
+    env.reset(seed=0)
+    place(env, target, other_plate[:2], env.place_height())
+    assert outcome(env)[:2] == (False, True)
+
+    env = make("push")
+    env.reset(seed=0)
+    region = env.goal_pos()
+    place(env, env.active[0], region[:2] - [0.03, 0], 0.02)
+    assert outcome(env)[:2] == (True, False)
+    env.reset(seed=0)
+    place(env, env.active[0], region[:2] - [0.03, 0], 0.02)
+    place(env, env.active[1], region[:2] + [0.03, 0], 0.02)
+    assert env.target_reached() and outcome(env)[:2] == (False, True)
+
+    env = make("stack")
+    env.reset(seed=0)
+    base, distractor = env.body_pos(env.base.body), env.active[2]
+    place(env, distractor, base[:2], base[2] + 0.04)
+    assert not env.target_reached() and outcome(env)[:2] == (False, True)
+    env.reset(seed=0)
+    below = env.body_pos(distractor.body)
+    place(env, env.target, below[:2], below[2] + 0.04)
+    assert outcome(env)[:2] == (False, True)
+    env.reset(seed=0)
+    place(env, env.target, base[:2], base[2] + 0.04)
+    assert outcome(env)[:2] == (True, False)

@@ -106,14 +106,17 @@ class DrawerEnv(TabletopEnv):
         which = target_color if by_colour else self.which
         return templates[rng.integers(len(templates))].format(which=which)
 
-    def drawer_opening(self) -> float:
-        return float(self.data.qpos[self.joint_adr[self.which]])
+    def drawer_opening(self, which: str | None = None) -> float:
+        return float(self.data.qpos[self.joint_adr[which or self.which]])
 
     def handle_pos(self) -> np.ndarray:
         return self.data.geom_xpos[self.model.geom(f"handle_{self.which}").id].copy()
 
-    def is_success(self) -> bool:
+    def target_reached(self) -> bool:
         return self.drawer_opening() > OPEN_THRESHOLD
+
+    def wrong_target(self) -> bool:
+        return self.drawer_opening("bottom" if self.which == "top" else "top") > OPEN_THRESHOLD
 
     def progress(self) -> float:
         if self.is_success():

@@ -74,11 +74,20 @@ class PickPlaceEnv(TabletopEnv):
     def place_height(self) -> float:
         return 2 * PLATE_HALF_HEIGHT + HALF
 
-    def is_success(self) -> bool:
+    def target_reached(self) -> bool:
         obj = self.body_pos(self.target.body)
         on_plate = np.linalg.norm(obj[:2] - self.goal_pos()[:2]) < PLATE_RADIUS - 0.01
         resting = abs(obj[2] - self.place_height()) < 0.01
         return bool(on_plate and resting and not any(self.finger_contacts(self.target.body)))
+
+    def wrong_target(self) -> bool:
+        """Another object on the named plate, or the named object on the other plate."""
+        def on(obj: np.ndarray, plate: np.ndarray) -> bool:
+            return bool(np.linalg.norm(obj[:2] - plate[:2]) < PLATE_RADIUS and obj[2] > HALF + PLATE_HALF_HEIGHT)
+
+        other_plate = self.model.body_pos[self.model.body("plate1").id]
+        others = [self.body_pos(slot.body) for slot in self.active[1:]]
+        return any(on(obj, self.goal_pos()) for obj in others) or on(self.body_pos(self.target.body), other_plate)
 
     def progress(self) -> float:
         goal = self.goal_pos()

@@ -74,10 +74,15 @@ class PushEnv(TabletopEnv):
     def goal_pos(self) -> np.ndarray:
         return self.model.body_pos[self.model.body("region").id].copy()
 
-    def is_success(self) -> bool:
+    def target_reached(self) -> bool:
         obj = self.body_pos(self.target.body)
         inside = np.abs(obj[:2] - self.goal_pos()[:2]).max() < REGION_HALF - 0.015
         return bool(inside and obj[2] < HALF + 0.01)
+
+    def wrong_target(self) -> bool:
+        """Another object pushed into the region (its centre inside the painted square)."""
+        region = self.goal_pos()
+        return any(np.abs(self.body_pos(slot.body)[:2] - region[:2]).max() < REGION_HALF for slot in self.active[1:])
 
     def progress(self) -> float:
         if self.is_success():

@@ -64,7 +64,17 @@ class StackEnv(TabletopEnv):
     def place_height(self) -> float:
         return float(self.goal_pos()[2] + 2 * HALF)
 
-    def is_success(self) -> bool:
+    def wrong_target(self) -> bool:
+        """Another block stacked on the named base, or the named block on another one."""
+
+        def on(top: np.ndarray, base: np.ndarray) -> bool:
+            return bool(np.linalg.norm(top[:2] - base[:2]) < 2 * HALF and top[2] > base[2] + 1.5 * HALF)
+
+        target, base = self.body_pos(self.target.body), self.body_pos(self.base.body)
+        others = [self.body_pos(slot.body) for slot in self.active[2:]]
+        return any(on(obj, base) for obj in others) or any(on(target, obj) for obj in others)
+
+    def target_reached(self) -> bool:
         top, base = self.body_pos(self.target.body), self.body_pos(self.base.body)
         aligned = np.linalg.norm(top[:2] - base[:2]) < 0.02
         stacked = abs(top[2] - base[2] - 2 * HALF) < 0.008 and base[2] < HALF + 0.005
