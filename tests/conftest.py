@@ -28,3 +28,9 @@ if run_id and worker.startswith("gw"):
     os.environ.setdefault("LP_NUM_THREADS", "1")
 else:
     os.environ["ROS_DOMAIN_ID"] = str(random.SystemRandom().randint(1, 101))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per CPU this process may run on. xdist's own count is psutil's
+    physical cores, which is 1 on a VM whose 2 vCPUs are one core's two threads, and the whole host in a container."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
