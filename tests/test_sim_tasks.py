@@ -279,6 +279,9 @@ def test_success_is_strict_another_target_reached_fails_the_episode():
     env.reset(seed=0)
     place(env, target, other_plate[:2], env.place_height())
     assert outcome(env)[:2] == (False, True)
+    env.reset(seed=0)
+    place(env, target, other_plate[:2], 0.15)  # carried over the other plate, not left on it
+    assert not env.wrong_target()
 
     env = make("push")
     env.reset(seed=0)

@@ -81,13 +81,16 @@ class PickPlaceEnv(TabletopEnv):
         return bool(on_plate and resting and not any(self.finger_contacts(self.target.body)))
 
     def wrong_target(self) -> bool:
-        """Another object on the named plate, or the named object on the other plate."""
-        def on(obj: np.ndarray, plate: np.ndarray) -> bool:
-            return bool(np.linalg.norm(obj[:2] - plate[:2]) < PLATE_RADIUS and obj[2] > HALF + PLATE_HALF_HEIGHT)
+        """Another object left on the named plate, or the named object left on the other plate (resting and let go:
+        an object carried over a plate is on its way, not placed)."""
+
+        def left_on(slot, plate: np.ndarray) -> bool:
+            obj = self.body_pos(slot.body)
+            resting = abs(obj[2] - self.place_height()) < 0.01 and not any(self.finger_contacts(slot.body))
+            return bool(np.linalg.norm(obj[:2] - plate[:2]) < PLATE_RADIUS and resting)
 
         other_plate = self.model.body_pos[self.model.body("plate1").id]
-        others = [self.body_pos(slot.body) for slot in self.active[1:]]
-        return any(on(obj, self.goal_pos()) for obj in others) or on(self.body_pos(self.target.body), other_plate)
+        return any(left_on(slot, self.goal_pos()) for slot in self.active[1:]) or left_on(self.target, other_plate)
 
     def progress(self) -> float:
         goal = self.goal_pos()

@@ -80,9 +80,10 @@ class PushEnv(TabletopEnv):
         return bool(inside and obj[2] < HALF + 0.01)
 
     def wrong_target(self) -> bool:
-        """Another object pushed into the region (its centre inside the painted square)."""
+        """Another object pushed into the region (its centre inside the painted square, on the table)."""
         region = self.goal_pos()
-        return any(np.abs(self.body_pos(slot.body)[:2] - region[:2]).max() < REGION_HALF for slot in self.active[1:])
+        objects = [self.body_pos(slot.body) for slot in self.active[1:]]
+        return any(np.abs(obj[:2] - region[:2]).max() < REGION_HALF and obj[2] < HALF + 0.01 for obj in objects)
 
     def progress(self) -> float:
         if self.is_success():

@@ -65,14 +65,16 @@ class StackEnv(TabletopEnv):
         return float(self.goal_pos()[2] + 2 * HALF)
 
     def wrong_target(self) -> bool:
-        """Another block stacked on the named base, or the named block on another one."""
+        """Another block left on the named base, or the named block left on another one (resting on it and let go: a
+        block carried over another is on its way, not stacked)."""
 
-        def on(top: np.ndarray, base: np.ndarray) -> bool:
-            return bool(np.linalg.norm(top[:2] - base[:2]) < 2 * HALF and top[2] > base[2] + 1.5 * HALF)
+        def left_on(top, base) -> bool:
+            a, b = self.body_pos(top.body), self.body_pos(base.body)
+            resting = abs(a[2] - b[2] - 2 * HALF) < 0.008 and not any(self.finger_contacts(top.body))
+            return bool(np.linalg.norm(a[:2] - b[:2]) < 2 * HALF and resting)
 
-        target, base = self.body_pos(self.target.body), self.body_pos(self.base.body)
-        others = [self.body_pos(slot.body) for slot in self.active[2:]]
-        return any(on(obj, base) for obj in others) or any(on(target, obj) for obj in others)
+        others = self.active[2:]
+        return any(left_on(slot, self.base) for slot in others) or any(left_on(self.target, slot) for slot in others)
 
     def target_reached(self) -> bool:
         top, base = self.body_pos(self.target.body), self.body_pos(self.base.body)
