@@ -100,11 +100,13 @@ def test_an_everyday_gymnasium_env_is_refused_at_make_naming_the_contract(tmp_pa
     sys.path.insert(0, str(HERE))
     from sim.tasks import make
 
-    with pytest.raises(ValueError, match=r"'gym:CartPole-v1': its observation space is Box\(4,\), not a Dict.*observation.state"):
+    cartpole = r"'gym:CartPole-v1': its observation space is Box\(4,\), not a Dict.*observation.state"
+    with pytest.raises(ValueError, match=cartpole):
         make("gym:CartPole-v1")
-    with pytest.raises(ValueError, match=r"its action space is Discrete\(3\); kinema's policies act with a Box of 7 floats"):
+    with pytest.raises(ValueError, match=r"its action space is Discrete\(3\); kinema.s policies act with a Box of 7"):
         make("test_external_tasks:SlideMarkerDiscrete", {"keys": CONFIG["keys"]})
     bad = kinema("sim", "collect", "--task", "gym:CartPole-v1", "--policy", "random", "--episodes", "1",
                  "--out", str(tmp_path / "d"))
-    assert bad.returncode == 2 and "observation space is Box(4,)" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert bad.returncode == 2 and "observation space is Box(4,)" in bad.stderr, bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr
     assert not (tmp_path / "d").exists()

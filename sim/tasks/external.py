@@ -131,12 +131,14 @@ class ExternalTask(gym.Wrapper):
         self.steps = 0
         space, actions = env.observation_space, env.action_space
         if not isinstance(space, gym.spaces.Dict):
-            raise ValueError(f"task {name!r}: its observation space is {_describe(space)}, not a Dict: kinema's external-task contract "
-                             f"wants a dict with {list(REQUIRED)} (camera images uint8 HxWx3, state float32 (8,)) and "
-                             "'task', its own names mapped by the task config's `keys` (sim/tasks/external.py)")
+            raise ValueError(f"task {name!r}: its observation space is {_describe(space)}, not a Dict: kinema's "
+                             f"external-task contract wants a dict with {list(REQUIRED)} (camera images uint8 HxWx3, "
+                             "state float32 (8,)) and 'task', its own names mapped by the task config's `keys` "
+                             "(sim/tasks/external.py)")
         if not (isinstance(actions, gym.spaces.Box) and actions.shape == (7,)):
-            raise ValueError(f"task {name!r}: its action space is {_describe(actions)}; kinema's policies act with a Box of 7 floats "
-                             "in [-1, 1] (end-effector translation 3, rotation 3, gripper 1) (sim/tasks/external.py)")
+            raise ValueError(f"task {name!r}: its action space is {_describe(actions)}; kinema's policies act "
+                             "with a Box of 7 floats in [-1, 1] (end-effector translation 3, rotation 3, gripper 1) "
+                             "(sim/tasks/external.py)")
         renamed = {ours: space[theirs] for ours, theirs in self.keys.items() if theirs in space.spaces}
         kept = {k: v for k, v in space.spaces.items() if k not in self.keys.values()}
         spaces = {**kept, **renamed}
