@@ -103,7 +103,7 @@ def test_an_everyday_gymnasium_env_is_refused_at_make_naming_the_contract(tmp_pa
     cartpole = r"'gym:CartPole-v1': its observation space is Box\(4,\), not a Dict.*observation.state"
     with pytest.raises(ValueError, match=cartpole):
         make("gym:CartPole-v1")
-    with pytest.raises(ValueError, match=r"its action space is Discrete\(3\); kinema.s policies act with a Box of 7"):
+    with pytest.raises(ValueError, match=r"its action space is Discrete\(3\); kinema's policies act with a Box of 7"):
         make("test_external_tasks:SlideMarkerDiscrete", {"keys": CONFIG["keys"]})
     bad = kinema("sim", "collect", "--task", "gym:CartPole-v1", "--policy", "random", "--episodes", "1",
                  "--out", str(tmp_path / "d"))
