@@ -1,18 +1,22 @@
 """A tiny `kinema train` run per RL method, reduced to the numbers its update produced: the losses and diagnostics of
 its round, and fingerprints of the trained and acting weights. `tests/test_train_methods.py` checks that today's code
-reproduces the numbers recorded in `fixtures/train_methods_reference.json`.
+reproduces the numbers recorded in `fixtures/train_methods_reference/`.
 
 Recording them again is a decision, not a chore: it says that a change of behaviour is intended.
 
-    python tests/method_regression.py   # rewrites fixtures/train_methods_reference.json
+    python tests/method_regression.py   # records this machine's reference, fixtures/train_methods_reference/<signature>.json
     python tests/method_regression.py pa_rl dsrl   # records (or re-records) those methods' entries only
 
-The reference keeps the versions of the packages its floats depend on (`_environment`); in another environment (or
-with a reference recorded before the versions were kept) the comparison is skipped, saying which versions differ.
+Floats depend on the machine as well as the code: two x86 CPUs that both report AVX-512 ran different kernels, and a
+success model's last loss after 200 Adam steps moved by 50 %. So each machine kind keeps its own reference, named by
+`numeric_signature()` (a hash of a few kernels' output bits), compared tightly; a machine with none is compared loosely
+with `unsigned.json` (recorded before references had signatures). Each reference keeps the versions of the packages
+its floats depend on (`_environment`); with other versions installed the comparison is skipped, saying which differ.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -22,7 +26,8 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
-REFERENCE = Path(__file__).parent / "fixtures" / "train_methods_reference.json"
+REFERENCES = Path(__file__).parent / "fixtures" / "train_methods_reference"
+UNSIGNED = REFERENCES / "unsigned.json"
 TINY = [
     "--task", "drawer", "--demos.episodes", "4", "--sft.steps", "6", "--sft.batch_size", "8", "--rl.rounds", "1",
     "--rl.episodes_per_round", "4", "--rl.updates_per_round", "4", "--rl.batch_size", "8",
@@ -56,23 +61,54 @@ NOT_NUMBERS = {"time", "cpu_s", "run/seconds_left_estimate"}
 NUMERIC_PACKAGES = ("torch", "numpy", "mujoco", "transformers", "diffusers", "av", "pillow")
 
 
+def numeric_signature() -> str:
+    """Which float kernels this machine runs, as 12 hex digits: the output bits of the ops a tiny run leans on (GEMMs
+    on both sides of MKL's size thresholds, a strided conv, norms, transcendentals, an Adam step), on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(67, 129, generator=g), torch.randn(129, 33, generator=g)
+        big = torch.randn(256, 512, generator=g)
+        image, kernel = torch.randn(2, 3, 32, 32, generator=g), torch.randn(16, 3, 4, 4, generator=g)
+        w = torch.nn.Parameter(torch.randn(129, generator=g))
+        opt = torch.optim.Adam([w], lr=1e-3)
+        (a @ w).sigmoid().log().sum().backward()
+        opt.step()
+        outs = [a @ b, big @ big.T, torch.nn.functional.conv2d(image, kernel, stride=4),
+                torch.nn.functional.layer_norm(a, (129,)), torch.nn.functional.gelu(a), a.softmax(-1), a.tanh(),
+                a.exp(), w.detach()]  # fmt: skip
+        return hashlib.sha256(b"".join(o.contiguous().numpy().tobytes() for o in outs)).hexdigest()[:12]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def environment() -> dict[str, str]:
     from importlib.metadata import version
 
-    return {**{name: version(name) for name in NUMERIC_PACKAGES}, "cpu": torch.backends.cpu.get_cpu_capability()}
+    return {**{name: version(name) for name in NUMERIC_PACKAGES}, "cpu": torch.backends.cpu.get_cpu_capability(),
+            "signature": numeric_signature()}  # fmt: skip
 
 
 def environment_changes(recorded: dict[str, str]) -> dict[str, tuple[str, str | None]]:
     """{package: (installed, recorded)} for each package whose installed version is not the recorded one."""
-    return {name: (v, recorded.get(name)) for name, v in environment().items() if name != "cpu" and recorded.get(name) != v}
+    return {name: (v, recorded.get(name)) for name, v in environment().items()
+            if name not in ("cpu", "signature") and recorded.get(name) != v}  # fmt: skip
 
 
-def tolerance(recorded: dict[str, str]) -> dict[str, float]:
-    """math.isclose's tolerances for the recorded numbers: tight on the vector ISA they were recorded on; on another
-    (an AVX2 machine against the recording's) kernels sum in another order, and the rounds' losses of ~1e-3 moved by up to 6e-5."""
-    if recorded.get("cpu") == torch.backends.cpu.get_cpu_capability():
-        return {"rel_tol": 1e-5, "abs_tol": 1e-7}
-    return {"rel_tol": 1e-2, "abs_tol": 1e-4}
+def this_machines_reference() -> Path:
+    return REFERENCES / f"{numeric_signature()}.json"
+
+
+def reference() -> tuple[dict, dict[str, float], Path]:
+    """(the reference to compare with, math.isclose's tolerances for it, its path): this machine kind's own, tight;
+    else the unsigned one, loose: on another machine kernels sum in another order, and the rounds' losses of ~1e-3
+    moved by up to 6e-5 (an AVX2 machine) or 4e-4 (an AVX-512 one: the success model's and GAE's diagnostics, within
+    5e-6 elsewhere)."""
+    own = this_machines_reference()
+    if own.exists():
+        return json.loads(own.read_text()), {"rel_tol": 1e-5, "abs_tol": 1e-7}, own
+    return json.loads(UNSIGNED.read_text()), {"rel_tol": 1e-2, "abs_tol": 1e-4}, UNSIGNED
 
 
 def fingerprint(tensors: dict[str, torch.Tensor]) -> float:
@@ -127,7 +163,10 @@ if __name__ == "__main__":
     names = [a for a in sys.argv[1:] if not a.startswith("--")] or list(RUNS)
     if unknown := [n for n in names if n not in RUNS]:
         raise SystemExit(f"unknown run(s) {unknown}; valid: {', '.join(RUNS)}")
-    out = json.loads(REFERENCE.read_text()) if names != list(RUNS) else {}
+    own = this_machines_reference()
+    out = json.loads(own.read_text()) if names != list(RUNS) and own.exists() else {}
+    if names != list(RUNS) and not out:
+        raise SystemExit(f"{own} does not exist yet: record all methods on this machine first")
     if out and (changed := environment_changes(out.get("_environment", {}))):
         raise SystemExit(f"the other entries were recorded with other package versions {changed} (installed, recorded): record all methods")
     out["_environment"] = environment()
@@ -135,4 +174,6 @@ if __name__ == "__main__":
         for name in names:
             out[name] = run_method(name, Path(tmp), legacy_names=legacy)
             print(name, json.dumps(out[name])[:300], flush=True)
-    REFERENCE.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {own}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from method_regression import REFERENCE, RUNS, TINY, environment_changes, run_method, same, tolerance
+from method_regression import RUNS, TINY, environment_changes, reference, run_method, same
 
 from kinema.common import load_config
 from kinema.train.config import TrainConfig
@@ -27,15 +27,15 @@ def kinema(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_each_method_reproduces_its_recorded_round(tmp_path: Path, name: str):
     torch.set_num_threads(1)
-    reference = json.loads(REFERENCE.read_text())
-    if changed := environment_changes(reference.get("_environment", {})):
-        pytest.skip(f"reference recorded with other package versions {changed} (installed, recorded): floats move "
+    recorded, tol, path = reference()
+    if changed := environment_changes(recorded.get("_environment", {})):
+        pytest.skip(f"{path.name} recorded with other package versions {changed} (installed, recorded): floats move "
                     "across releases; after checking that the change is upstream, re-record: python tests/method_regression.py")
-    expected, tol = reference[name], tolerance(reference.get("_environment", {}))
+    expected = recorded[name]
     got = run_method(name, tmp_path)
     assert sorted(got["numbers"]) == sorted(expected["numbers"])
     differ = {k: (got["numbers"][k], v) for k, v in expected["numbers"].items() if not same(got["numbers"][k], v, **tol)}
-    assert not differ, differ
+    assert not differ, f"{differ} (got, recorded in {path.name} at {tol})"
     # the weights' fingerprints sum thousands of weights: ISA noise moves them by ~1e-7 of their size, a change by far more
     assert same(got["online"], expected["online"]) and same(got["acting"], expected["acting"]), (got, expected)
 
