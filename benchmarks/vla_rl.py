@@ -54,8 +54,11 @@ JSON's top level, each other's under `regimes.<name>` with the same keys.
 
 Last line: one JSON object, one entry per method with success, heldout_success, steps_to_success and
 gain_over_sft (success points over SFT), each success with its standard error; `per_task.<task>` has per arm
-success, heldout_success, steps_to_success, cpu_minutes and demos_steps_ratio (the demonstrations' steps to success
-over the arm's: above 1, faster than its demonstrator), the demonstrations' own (`demos`), and
+success, heldout_success, steps_to_success, cpu_minutes, demos_steps_ratio (the demonstrations' steps to success
+over the arm's: above 1, faster than its demonstrator), wrong_target (the share of training-template episodes that
+reached a target the instruction did not name; strict success counts them as failures) and ablated_success (with
+`--eval.ablated true`: success when the instruction names no target, which chance bounds), the demonstrations' own
+(`demos`), and
 best_rl_margin_over_control (the best RL arm's success minus the continued-SFT control's, the arm in best_rl_arm;
 with sft_continued_rwr beside sft_continued, minus the better of the two, the one in control_arm),
 best_hil_margin_over_hg_dagger (the best human-in-the-loop arm's minus hg_dagger's, in best_hil_arm; with
@@ -668,7 +671,8 @@ def task_entry(rows: dict[str, dict[str, list]], demos: list[dict], cpu: dict[st
     for arm, r in rows.items():
         steps = _mean([s for s in r["steps"] if s is not None])
         out[arm] = {"success": _mean(r["success"]), "heldout_success": _mean(r["heldout"]), "steps_to_success": steps,
-                    "cpu_minutes": cpu.get(arm),
+                    "cpu_minutes": cpu.get(arm), "wrong_target": _mean(r.get("wrong_target", [])),
+                    "ablated_success": _mean(r.get("ablated", [])),
                     "demos_steps_ratio": round(demo_steps / steps, 3) if demo_steps and steps else None}  # fmt: skip
     rl_arms = [a for a in rows if a not in NOT_RL and out[a]["success"] is not None]
     if "sft_continued" in rows and rl_arms:
@@ -792,6 +796,10 @@ def _add(row: dict[str, list], record: dict, sft: dict) -> None:
         row["heldout"].append((float(np.mean([h[0] for h in held])), sum(h[1] for h in held)))
     row["steps"].append(record.get("train/steps_to_success"))
     row["gain"].append(record["train/success"] - sft["train/success"])
+    if record.get("train/wrong_target") is not None:
+        row.setdefault("wrong_target", []).append((record["train/wrong_target"], record["train/episodes"]))
+    if "ablated_instructions/success" in record:  # runs with --eval.ablated true
+        row.setdefault("ablated", []).append((record["ablated_instructions/success"], record["ablated_instructions/episodes"]))
 
 
 def _add_task(per_task: dict[str, dict[str, list]], task: str, method: str, record: dict) -> None:

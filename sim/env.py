@@ -115,6 +115,20 @@ class Instructions:
     heldout: tuple[str, ...]
 
 
+# The instruction splits: training templates, held-out paraphrases, and "ablated": the training templates with every
+# word that names a target replaced by a nonsense word, so that the instruction no longer says which target (success
+# should fall to chance: the policy cannot know which drawer, object or plate).
+INSTRUCTION_SPLITS = ("train", "heldout", "ablated")
+NONSENSE_WORDS = ("dax", "wug", "blicket", "toma", "fep", "zorb")
+
+
+def ablate(names: dict[str, str]) -> dict[str, str]:
+    """`names` (template field -> the words naming a target) with each word replaced by a nonsense word, the same
+    whatever the target, so that nothing in the instruction tells two episodes' targets apart."""
+    words = iter(NONSENSE_WORDS * 4)
+    return {field: " ".join(next(words) for _ in value.split()) for field, value in names.items()}
+
+
 def look_at(pos: tuple[float, float, float], target: tuple[float, float, float]) -> str:
     """MJCF `xyaxes` for a camera at `pos` looking at `target` with the world z axis up in the image."""
     forward = np.subtract(target, pos, dtype=float)
@@ -197,8 +211,8 @@ class TabletopEnv(gym.Env):
                 f"{self.name}: num_distractors={self.config.num_distractors} exceeds the {self.max_distractors} "
                 "this task's object pool holds"
             )
-        if instructions not in ("train", "heldout"):
-            raise ValueError(f"instructions must be 'train' or 'heldout'; got {instructions!r}")
+        if instructions not in INSTRUCTION_SPLITS:
+            raise ValueError(f"instructions must be one of {INSTRUCTION_SPLITS}; got {instructions!r}")
         if objects not in ("train", "heldout"):
             raise ValueError(f"objects must be 'train' or 'heldout'; got {objects!r}")
         self.instruction_split = instructions
@@ -238,6 +252,14 @@ class TabletopEnv(gym.Env):
     def sample_episode(self, rng: np.random.Generator) -> str:
         """Place objects and colours for a new episode (model/data already reset); return the instruction."""
         raise NotImplementedError
+
+    def instruction(self, rng: np.random.Generator, **names: str) -> str:
+        """A template of the episode's instruction split, filled with the words naming its targets (`names`: the
+        template's fields); the "ablated" split fills the training templates with nonsense words instead. Each split
+        draws the same random numbers, so a seed's scene is the same in every split (evaluations pair by seed)."""
+        templates = self.instructions.heldout if self.instruction_split == "heldout" else self.instructions.train
+        template = templates[rng.integers(len(templates))]
+        return template.format(**(ablate(names) if self.instruction_split == "ablated" else names))
 
     def target_reached(self) -> bool:
         """What the instruction names is done (the named drawer open, the named object on the named plate)."""

@@ -228,6 +228,10 @@ class RobosuiteEnv(gym.Env):
     ) -> None:
         self.task_spec = ROBOSUITE_TASKS[name]
         self.name = name
+        if instructions == "ablated":  # one object per task: no other target the instruction could have named
+            from sim.tasks.external import SplitNotApplicable
+
+            raise SplitNotApplicable(f"{name} has one target: an instruction naming none is not applicable")
         if instructions not in ("train", "heldout"):
             raise ValueError(f"instructions must be 'train' or 'heldout'; got {instructions!r}")
         owned = sorted(set(robosuite_kwargs) & _OWNED_KWARGS)

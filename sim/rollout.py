@@ -94,6 +94,7 @@ class _EpisodeBuffer:
         self.executed_by: list[int] = []
         self.rewards: list[float] = []
         self.success: list[bool] = []
+        self.wrong_target: bool | None = None  # None until a step's info says (tasks without wrong targets never do)
         self.task = ""
 
     def add_obs(self, obs: dict[str, Any], i: int, privileged: dict[str, Any]) -> None:
@@ -110,6 +111,8 @@ class _EpisodeBuffer:
         self.executed_by.append(int(info.get("executed_by", ExecutedBy.POLICY)))
         self.rewards.append(reward)
         self.success.append(bool(info.get("is_success", False)))
+        if "wrong_target" in info:
+            self.wrong_target = bool(self.wrong_target) or bool(info["wrong_target"])
 
     def to_episode(self, task_id: str, policy_version: str, segment: np.ndarray | None) -> Episode:
         T = len(self.actions)
@@ -128,6 +131,7 @@ class _EpisodeBuffer:
             policy_version=policy_version,
             fps=CONTROL_HZ,
             privileged=privileged,
+            wrong_target=self.wrong_target,
         )
 
 

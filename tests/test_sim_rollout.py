@@ -9,6 +9,7 @@ from diffusion_rl.data import ExecutedBy, Segment
 from sim.experts import ExpertConfig
 from sim.monitor import MonitorConfig
 from sim.rollout import collect, collect_demos, make_vector
+from sim.vector import InProcessVector
 
 
 def random_policy(seed: int, scale: float = 0.5):
@@ -174,3 +175,34 @@ def test_teleport_rewind_returns_the_rewound_observation():
         if terminated or truncated:
             break
     assert env.takeovers >= 1
+
+
+def test_an_episode_that_reached_a_wrong_target_is_a_failure_and_says_so():
+    """The drawer's other drawer left open (as a policy that pulled both would leave it): the named one opened as
+    well, the episode fails and is marked `wrong_target`; the evaluation reports the share. With the named drawer
+    alone it succeeds, not marked."""
+    from kinema.train.evaluate import summarize
+    from sim.tasks.drawer import DrawerEnv
+
+    class Opened(DrawerEnv):
+        both = True
+
+        def sample_episode(self, rng):
+            instruction = super().sample_episode(rng)
+            self.data.qpos[self.joint_adr[self.which]] = 0.15
+            if self.both:
+                self.data.qpos[self.joint_adr["bottom" if self.which == "top" else "top"]] = 0.15
+            return instruction
+
+    class NamedOnly(Opened):
+        both = False
+
+    still = lambda obs: np.zeros((len(obs["task"]), 7), np.float32)  # noqa: E731
+    for env_class, wrong in ((Opened, True), (NamedOnly, False)):
+        vector = InProcessVector([lambda: env_class(image_size=32)] * 2)
+        episodes = collect(vector, still, [0, 1, 2], task_id="drawer")
+        assert [ep.wrong_target for ep in episodes] == [wrong] * 3
+        assert [ep.outcome for ep in episodes] == [not wrong] * 3
+        result = summarize(episodes)
+        assert (result.success, result.wrong_target) == ((0.0, 1.0) if wrong else (1.0, 0.0))
+        assert result.as_dict("train/")["train/wrong_target"] == result.wrong_target

@@ -305,3 +305,25 @@ def test_success_is_strict_another_target_reached_fails_the_episode():
     env.reset(seed=0)
     place(env, env.target, base[:2], base[2] + 0.04)
     assert outcome(env)[:2] == (True, False)
+
+
+def test_the_ablated_split_names_no_target_in_the_scenes_the_training_split_shows():
+    """instructions="ablated": the training templates with nonsense words where the targets' names were. A seed's
+    scene is the training split's (evaluations pair by seed), and the instruction no longer tells targets apart:
+    named instructions of different targets become one ablated instruction, at most one per training template."""
+    for task in ("drawer", "pick_place", "push", "stack"):
+        named, ablated = make(task, image_size=32), make(task, image_size=32, instructions="ablated")
+        named_by_ablated: dict[str, set[str]] = {}
+        for seed in range(12):
+            a, _ = named.reset(seed=seed)
+            b, _ = ablated.reset(seed=seed)
+            np.testing.assert_array_equal(named.data.qpos, ablated.data.qpos)
+            np.testing.assert_array_equal(named.model.geom_rgba, ablated.model.geom_rgba)
+            np.testing.assert_array_equal(a["observation.images.agentview"], b["observation.images.agentview"])
+            names = {*named.config.colors, "cube", "brick", "block", *(("top", "bottom") if task == "drawer" else ())}
+            assert not set(b["task"].split()) & names, b["task"]
+            named_by_ablated.setdefault(b["task"], set()).add(a["task"])
+        assert len(named_by_ablated) <= len(named.instructions.train), (task, named_by_ablated)
+        assert max(len(v) for v in named_by_ablated.values()) > 1, (task, named_by_ablated)
+    with pytest.raises(ValueError, match="instructions must be one of"):
+        make("drawer", instructions="none")

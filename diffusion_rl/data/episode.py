@@ -84,6 +84,9 @@ class Episode:
         complete: False when the recording stopped before the episode ended (crash, kill).
         privileged: `privileged.<name>` -> float32 (T, ...): simulator state kept out of the policy's input
             (object poses, contacts), offered as targets for auxiliary losses. Empty for real-robot episodes.
+        wrong_target: whether the episode reached, at some step, a target its instruction did not name (the other
+            drawer open, another object on the plate), which fails it; None where unknown (a task that defines no
+            wrong target, a recording). Evaluation reports it; datasets do not store it.
     """
 
     observations: dict[str, np.ndarray]
@@ -101,6 +104,7 @@ class Episode:
     fps: float = 20.0
     complete: bool = True
     privileged: dict[str, np.ndarray] = field(default_factory=dict)
+    wrong_target: bool | None = None
 
     def __post_init__(self) -> None:
         # Own copies of the dicts: normalising dtypes must not change the caller's objects.

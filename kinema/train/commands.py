@@ -86,7 +86,8 @@ def eval_command(args: argparse.Namespace) -> int:
             (selected if n > 1 else results)[split] = res.as_dict()
             label = f" with selection (N={n})" if n > 1 else ""
             steps = f", {res.steps_to_success:.1f} steps to success" if res.steps_to_success else ""
-            console.print(f"{split}{label}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes{steps}")
+            wrong = f", {res.wrong_target:.0%} reached a wrong target" if res.wrong_target else ""
+            console.print(f"{split}{label}: success {res.success:.0%} ± {res.success_se:.0%} over {res.episodes} episodes{steps}{wrong}")
     summary = {"policy": args.policy, "task": args.task, "task_config": task_config, "seen_tasks": seen, "seed": args.seed,
                "noise_scale": args.noise_scale, "acting": acting.description, "results": results,
                "latency_ms": latency}  # batch-1 latency per chunk, by number of candidates  # fmt: skip
@@ -99,14 +100,18 @@ def eval_command(args: argparse.Namespace) -> int:
     if acting.description != "policy":
         lines += [f"Acting: {acting.description}.", ""]
     sel_col = f" with selection (N={select.num_samples}) |" if selected else ""
-    lines += [f"| split | success | steps to success |{sel_col}", "|---|---|---|" + ("---|" if selected else "")]
+    lines += [f"| split | success | steps to success | wrong target |{sel_col}", "|---|---|---|---|" + ("---|" if selected else "")]
     for split, r in results.items():
         steps = f"{r['steps_to_success']:.1f}" if r["steps_to_success"] else "–"
-        row = f"| {split} | {100 * r['success']:.0f} ± {100 * r['success_se']:.0f}% (n={r['episodes']}) | {steps} |"
+        wrong = "–" if r["wrong_target"] is None else f"{100 * r['wrong_target']:.0f}%"
+        row = f"| {split} | {100 * r['success']:.0f} ± {100 * r['success_se']:.0f}% (n={r['episodes']}) | {steps} | {wrong} |"
         if split in selected:
             p = selected[split]
             row += f" {100 * p['success']:.0f} ± {100 * p['success_se']:.0f}% (n={p['episodes']}) |"
         lines.append(row)
+    if any(r["wrong_target"] is not None for r in results.values()):
+        lines += ["", "Wrong target: the share of episodes that reached a target the instruction did not name; each "
+                      "is a failure. `ablated_instructions`: the training templates with no target named (chance)."]  # fmt: skip
     if select:
         lines += ["", f"Selection: {select.description}."]
     lines += ["", "Batch-1 latency per chunk: " + ", ".join(

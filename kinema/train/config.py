@@ -87,6 +87,7 @@ class EvalConfig:
     episodes: int = 100  # per split at the final evaluation (>= 100 for a 4-5 point standard error)
     round_episodes: int = 48  # per evaluation between rounds
     heldout: bool = True  # also evaluate held-out paraphrases and held-out object combinations
+    ablated: bool = False  # also evaluate instructions that name no target (success should fall to chance)
     videos: int = 8  # episodes in the before/after video grids (the same seeds both times; 0: none)
     baseline: bool = True  # evaluate the starting (SFT) policy; off when branching from a run that already did
     # The ODE sampler's initial noise in evaluations, scaled: 1 sampled, 0 zero noise (deterministic, mode-seeking;

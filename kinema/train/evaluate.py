@@ -231,6 +231,9 @@ class EvalResult:
     takeover_rate: float | None
     seeds: list[int] = field(default_factory=list)  # the episodes' seeds, ascending
     outcomes: list[int] = field(default_factory=list)  # 1 success, 0 failure, aligned with `seeds`
+    # The share of episodes that reached a target the instruction did not name (failures, however the named target
+    # stands); None for a task that defines no wrong target.
+    wrong_target: float | None = None
 
     def as_dict(self, prefix: str = "") -> dict[str, Any]:
         return {
@@ -241,6 +244,7 @@ class EvalResult:
             f"{prefix}episodes": self.episodes,
             f"{prefix}seeds": self.seeds,
             f"{prefix}outcomes": self.outcomes,
+            f"{prefix}wrong_target": self.wrong_target,
         }
 
 
@@ -272,6 +276,7 @@ def summarize(episodes: Sequence[Episode], split: str = "train") -> EvalResult:
     takeovers = [sum(1 for _, _, who in ep.segments() if who == ExecutedBy.HUMAN) for ep in episodes]
     any_policy = any((ep.executed_by == ExecutedBy.POLICY).any() for ep in episodes)
     by_seed = sorted(episodes, key=lambda ep: (ep.seed is None, ep.seed or 0))
+    known = [ep.wrong_target for ep in episodes if ep.wrong_target is not None]
     return EvalResult(
         split=split,
         episodes=n,
@@ -281,17 +286,28 @@ def summarize(episodes: Sequence[Episode], split: str = "train") -> EvalResult:
         takeover_rate=float(np.mean(takeovers)) if any_policy and any(takeovers) else (0.0 if any_policy else None),
         seeds=[int(ep.seed) for ep in by_seed if ep.seed is not None],
         outcomes=[int(bool(ep.outcome)) for ep in by_seed if ep.seed is not None],
+        wrong_target=float(np.mean(known)) if known else None,
     )
 
 
 # What each split is called where a person reads it.
-SPLIT_NAMES = {"train": "training templates", "heldout_instructions": "held-out paraphrases", "heldout_objects": "held-out colours"}
-# Evaluation splits: which instruction templates and object combinations the held-out seeds use.
+SPLIT_NAMES = {"train": "training templates", "heldout_instructions": "held-out paraphrases",
+               "heldout_objects": "held-out colours", "ablated_instructions": "no target named"}  # fmt: skip
+# Evaluation splits: which instruction templates and object combinations the held-out seeds use. In
+# "ablated_instructions" the training templates name no target (nonsense words instead): the scene of each seed is the
+# one the training split shows, and strict success should fall to what chance allows (drawer: at most one in two).
 SPLITS = {
     "train": dict(instructions="train", objects="train"),
     "heldout_instructions": dict(instructions="heldout", objects="train"),
     "heldout_objects": dict(instructions="train", objects="heldout"),
+    "ablated_instructions": dict(instructions="ablated", objects="train"),
 }
+
+
+def final_splits(cfg: Any) -> list[str]:
+    """The splits a training run (`TrainConfig`) evaluates at SFT and at the end; those between rounds use "train"."""
+    heldout = ["heldout_instructions", "heldout_objects"] if cfg.eval.heldout else []
+    return ["train", *heldout, *(["ablated_instructions"] if cfg.eval.ablated else [])]
 
 
 def evaluate(
@@ -309,7 +325,8 @@ def evaluate(
     runner: ChunkPolicy | None = None,
 ) -> tuple[EvalResult, list[Episode]]:
     """Roll the policy out on held-out seeds. `split`: "train" (training templates and objects),
-    "heldout_instructions" (paraphrases) or "heldout_objects" (held-out object/colour combinations). `seed`: the
+    "heldout_instructions" (paraphrases), "heldout_objects" (held-out object/colour combinations) or
+    "ablated_instructions" (no target named). `seed`: the
     run's seed (runs of one seed share their evaluation episodes: paired). `runner`: what acts instead of
     `ChunkPolicy(policy)` (critic-selected or steered chunks)."""
     if split not in SPLITS:

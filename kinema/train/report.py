@@ -18,7 +18,7 @@ import cv2
 
 from diffusion_rl.data import ExecutedBy
 from kinema.media import read_mp4, write_mp4
-from kinema.train.evaluate import EVAL_SEED_OFFSET, SPLIT_NAMES, ChunkPolicy, paired_difference
+from kinema.train.evaluate import EVAL_SEED_OFFSET, SPLIT_NAMES, ChunkPolicy, final_splits, paired_difference
 from policies.checkpoint import atomic_file, write_text_atomic
 from sim.env import CONTROL_HZ
 from sim.monitor import MonitorConfig, SimulatedHuman
@@ -160,7 +160,7 @@ def write_curves(records: list[dict[str, Any]], path: Path) -> Path:
     rounds = [r for r in records if r.get("kind") == "round"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
-    colours = dict(zip(SPLITS, ("tab:blue", "tab:orange", "tab:green")))
+    colours = dict(zip(SPLITS, ("tab:blue", "tab:orange", "tab:green", "tab:grey")))
     for (split, stage), pts in evaluation_series(records).items():
         x, y, se, n = map(np.array, zip(*pts))
         sizes = sorted(set(int(v) for v in n))
@@ -241,6 +241,11 @@ def _fmt(r: dict[str, Any] | None, split: str) -> str:
     return f"{100 * r[f'{split}/success']:.0f} ± {100 * r[f'{split}/success_se']:.0f} % (n={r[f'{split}/episodes']})"
 
 
+def _fmt_wrong(r: dict[str, Any] | None, split: str) -> str:
+    share = (r or {}).get(f"{split}/wrong_target")
+    return "–" if share is None else f"{100 * share:.0f} %"
+
+
 def steps_to_success_lines(demos: dict[str, Any], sft: dict[str, Any] | None, final: dict[str, Any] | None) -> list[str]:
     """Mean steps to success (successful episodes, training templates) of the demonstrations, SFT and the policy
     after RL, and the demonstrator's over the policy's: above 1, the policy is faster than its demonstrator."""
@@ -290,15 +295,20 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
         "Success on held-out evaluation seeds. The gain is paired: both evaluations ran the same seeds, and each "
         "episode's sampling noise is drawn from its seed, so the difference and its standard error are per seed.",
         "",
-        "| split | SFT | after RL | gain (points, paired) |",
-        "|---|---|---|---|",
+        "| split | SFT | after RL | gain (points, paired) | wrong target: SFT → after RL |",
+        "|---|---|---|---|---|",
     ]
     for split in SPLITS:
         if (sft and f"{split}/success" in sft) or (final and f"{split}/success" in final):
             paired = paired_difference(sft, final, split) if sft and final else None
             gain = f"{100 * paired[0]:+.0f} ± {100 * paired[1]:.0f} (n={paired[2]})" if paired else "–"
-            lines.append(f"| {SPLIT_NAMES[split]} | {_fmt(sft, split)} | {_fmt(final, split)} | {gain} |")
-    if missing := [SPLIT_NAMES[s] for s in SPLITS if s not in evaluated and evals and (s == "train" or cfg.eval.heldout)]:
+            wrong = f"{_fmt_wrong(sft, split)} → {_fmt_wrong(final, split)}"
+            lines.append(f"| {SPLIT_NAMES[split]} | {_fmt(sft, split)} | {_fmt(final, split)} | {gain} | {wrong} |")
+    if any(f"{split}/wrong_target" in r for r in evals for split in SPLITS):
+        lines += ["", "Wrong target: the share of episodes that reached a target the instruction did not name (the "
+                      "other drawer, another object on the plate); each counts as a failure."]  # fmt: skip
+    wanted = final_splits(cfg)
+    if missing := [SPLIT_NAMES[s] for s in SPLITS if s not in evaluated and evals and s in wanted]:
         lines += ["", f"Not evaluated (not applicable to {cfg.task}): {', '.join(missing)}."]
     lines += steps_to_success_lines(demos, sft, final)
     first = next((r for r in evals if r.get("train/seeds")), None)

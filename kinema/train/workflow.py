@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from kinema.train import distributed
 from kinema.train.actor import actor_updates, ema_update
 from kinema.train.buffer import StepBuffer
 from kinema.train.config import TrainConfig
-from kinema.train.evaluate import SPLIT_NAMES, SPLITS, ChunkPolicy, EvalResult, evaluate, summarize
+from kinema.train.evaluate import SPLIT_NAMES, ChunkPolicy, EvalResult, evaluate, final_splits, summarize
 from kinema.train.methods import METHODS, Learner, RLMethod
 from kinema.train.progress import RunPace, RunProgress, planned_work, round_line, start_panel, summary_table
 from kinema.train.report import record_video_grid, write_before_after, write_curves, write_diagnostics, write_report
@@ -100,12 +100,11 @@ def _set_aside_interrupted_rollouts(rollouts: Path, last_round: int, console: Co
 
 
 def evaluate_all(
-    policy: Any, cfg: TrainConfig, episodes: int, *, heldout: bool, progress: RunProgress, label: str,
+    policy: Any, cfg: TrainConfig, episodes: int, *, splits: Sequence[str], progress: RunProgress, label: str,
     runner: Callable[[Any], ChunkPolicy] | None = None,
 ) -> dict[str, EvalResult]:  # fmt: skip
-    """`episodes` evaluation episodes per split (the training split alone unless `heldout`), each with its bar;
+    """`episodes` evaluation episodes on each of `splits`, each with its bar;
     `runner(policy)` acts instead of the policy's plain chunks (the method's `eval_runner`)."""
-    splits = list(SPLITS) if heldout else ["train"]
     out = {}
     for split in splits:
         try:
@@ -286,7 +285,7 @@ def _train(
         start_round = 1
         sft(learner, sft_steps, aux_weight=cfg.sft.aux_weight if aux_dim else 0.0, progress=progress, console=console)
         if cfg.eval.baseline and distributed.is_main():
-            results = evaluate_all(acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout, progress=progress, label="SFT baseline")
+            results = evaluate_all(acting, cfg, cfg.eval.episodes, splits=final_splits(cfg), progress=progress, label="SFT baseline")
             run.log(_eval_record("sft", results, 0, 0))
             _print_eval(console, "SFT", results)
             record_video_grid(acting, cfg, run.root / "videos", "before")
@@ -313,7 +312,7 @@ def _train(
             run.log(record)
             if not distributed.is_main():  # evaluation, checkpoints and the report are rank 0's
                 continue
-            results = evaluate_all(learner.acting, cfg, cfg.eval.round_episodes, heldout=False, progress=progress, label=f"round {r}: evaluation", runner=method.eval_runner)
+            results = evaluate_all(learner.acting, cfg, cfg.eval.round_episodes, splits=["train"], progress=progress, label=f"round {r}: evaluation", runner=method.eval_runner)
             # The estimate of the time left, kept so that its honesty can be checked against when the run ended.
             run.log({**_eval_record("round", results, learner.env_steps, r), "run/seconds_left_estimate": round(progress.pace.seconds_left(), 1)})
             console.print(round_line(r, rounds, record, results, run.records()[-1].get("cpu_s")))
@@ -331,7 +330,7 @@ def _train(
     if not distributed.is_main():
         return run.root
     if rounds and not state.get("final_done"):
-        results = evaluate_all(learner.acting, cfg, cfg.eval.episodes, heldout=cfg.eval.heldout, progress=progress, label="final evaluation", runner=method.eval_runner)
+        results = evaluate_all(learner.acting, cfg, cfg.eval.episodes, splits=final_splits(cfg), progress=progress, label="final evaluation", runner=method.eval_runner)
         run.log(_eval_record("final", results, learner.env_steps, rounds))
         _print_eval(console, f"after RL ({method.name})", results)
         for extra in method.final_evaluations(learner.acting, progress):
@@ -433,5 +432,6 @@ def _check_init_policy(cfg: TrainConfig, console: Console) -> dict[str, Any]:
 
 
 def _print_eval(console: Console, label: str, results: dict[str, EvalResult]) -> None:
-    parts = [f"{SPLIT_NAMES[split]} {res.success:.0%} ± {res.success_se:.0%} (n={res.episodes})" for split, res in results.items()]
+    parts = [f"{SPLIT_NAMES[split]} {res.success:.0%} ± {res.success_se:.0%} (n={res.episodes}"
+             + (f", {res.wrong_target:.0%} wrong target)" if res.wrong_target else ")") for split, res in results.items()]
     console.print(f"[bold]{label}[/bold] success — " + "; ".join(parts))

@@ -100,11 +100,9 @@ class DrawerEnv(TabletopEnv):
                 pos = [rng.uniform(0.4, 0.5), cab_y + side * rng.uniform(0.2, 0.26), HALF]
                 self.set_free_body(slot.body, np.array(pos), rng.uniform(-cfg.yaw_range, cfg.yaw_range))
                 self.set_color(slot.geom, color)
-        templates = getattr(self.instructions, self.instruction_split)
         # With held-out objects the drawer is always named by its (held-out) colour, so the split tests colours.
         by_colour = self.object_split == "heldout" or rng.random() < 0.5
-        which = target_color if by_colour else self.which
-        return templates[rng.integers(len(templates))].format(which=which)
+        return self.instruction(rng, which=target_color if by_colour else self.which)
 
     def drawer_opening(self, which: str | None = None) -> float:
         return float(self.data.qpos[self.joint_adr[which or self.which]])

@@ -48,10 +48,11 @@ def _split_kwargs(name: str, kwargs: dict[str, Any], accepts: set[str] | None) -
     """Drop `instructions`/`objects` for an env without them when they ask for the training split; refuse a held-out
     split it cannot give. `accepts`: the env's constructor arguments (None: it takes any)."""
     kwargs = dict(kwargs)
-    for key, what in (("instructions", "held-out instructions"), ("objects", "held-out objects")):
+    for key in ("instructions", "objects"):
         if key in kwargs and (accepts is not None and key not in accepts):
-            if kwargs.pop(key) != "train":
-                raise SplitNotApplicable(f"{name} has no {what} (its env takes no {key}= argument): not applicable")
+            if (split := kwargs.pop(key)) != "train":
+                what = "held-out" if split == "heldout" else split
+                raise SplitNotApplicable(f"{name} has no {what} {key} (its env takes no {key}= argument): not applicable")
     return kwargs
 
 

@@ -65,8 +65,7 @@ class PickPlaceEnv(TabletopEnv):
             self.set_color(f"plate{i}", cfg.colors[plate_colors[i]])
         self.target, self.descriptions = self.active[0], descriptions  # (colour, shape) of each object, target first
         color, shape = descriptions[0]
-        templates = getattr(self.instructions, self.instruction_split)
-        return templates[rng.integers(len(templates))].format(object=f"{color} {shape}", plate=self.plate_color)
+        return self.instruction(rng, object=f"{color} {shape}", plate=self.plate_color)
 
     def goal_pos(self) -> np.ndarray:
         return self.model.body_pos[self.model.body("plate0").id].copy()

@@ -67,9 +67,8 @@ class PushEnv(TabletopEnv):
         self.set_color("region", self.region_color)
         self.target, self.descriptions = self.active[0], descriptions  # (colour, shape) of each object, target first
         self.start_distance = float(np.linalg.norm(xy[0] - xy[-1]))
-        templates = getattr(self.instructions, self.instruction_split)
         color, shape = descriptions[0]
-        return templates[rng.integers(len(templates))].format(object=f"{color} {shape}", region=self.region_color)
+        return self.instruction(rng, object=f"{color} {shape}", region=self.region_color)
 
     def goal_pos(self) -> np.ndarray:
         return self.model.body_pos[self.model.body("region").id].copy()

@@ -53,10 +53,7 @@ class StackEnv(TabletopEnv):
             self.set_free_body(slot.body, np.array([*xy[i], HALF]), rng.uniform(-cfg.yaw_range, cfg.yaw_range))
             self.set_color(slot.geom, color)
         self.target, self.base = self.active[0], self.active[1]
-        templates = getattr(self.instructions, self.instruction_split)
-        obj = f"{descriptions[0][0]} block"
-        base = f"{descriptions[1][0]} block"
-        return templates[rng.integers(len(templates))].format(object=obj, base=base)
+        return self.instruction(rng, object=f"{descriptions[0][0]} block", base=f"{descriptions[1][0]} block")
 
     def goal_pos(self) -> np.ndarray:
         return self.body_pos(self.base.body)
