@@ -30,7 +30,11 @@ class VLAConfig:
     # a checkpoint acts as it was evaluated; rollouts and evaluations pass noise of their own.
     inference_noise_scale: float = 1.0
     time_distribution: str = "beta"  # flow time sampling in training: "beta" (pi0), "uniform", "logit_normal"
-    vision_channels: tuple[int, ...] = (32, 64, 64)  # conv widths; the first conv is a stride-4 patchify
+    # How each camera is encoded: "patchify" (a stride-4 4x4 conv first, features flattened at image_size / 8) or
+    # "spatial_softmax" (overlapping 3x3 convs down to image_size / 4, then `keypoints` expected image coordinates).
+    vision_encoder: str = "patchify"
+    vision_channels: tuple[int, ...] = (32, 64, 64)  # conv widths
+    keypoints: int = 32  # spatial_softmax: attention maps, each giving one (x, y)
     vision_dim: int = 256  # per-camera feature size
     text_dim: int = 64  # width of the word encoder
     text_layers: int = 1  # transformer layers over words
@@ -87,6 +91,10 @@ class VLAConfig:
             )
         if self.image_size % 8 != 0 or self.image_size < 32:
             raise ValueError(f"VLAConfig.image_size must be a multiple of 8 and >= 32; got {self.image_size}")
+        if self.vision_encoder not in ("patchify", "spatial_softmax"):
+            raise ValueError(f"VLAConfig.vision_encoder must be 'patchify' or 'spatial_softmax'; got {self.vision_encoder!r}")
+        if self.keypoints < 1:
+            raise ValueError(f"VLAConfig.keypoints must be >= 1; got {self.keypoints}")
         if self.time_distribution not in ("beta", "uniform", "logit_normal"):
             raise ValueError(
                 f"VLAConfig.time_distribution must be 'beta', 'uniform' or 'logit_normal'; got {self.time_distribution!r}"
@@ -139,10 +147,11 @@ class VLAConfig:
 
         data = dict(data)
         data.setdefault("aux_input", "fused")  # checkpoints written before `aux_input` fed the aux head the fused feature
+        data.setdefault("vision_encoder", "patchify")  # and before `vision_encoder`, every camera was patchified
         return cls(**config_fields(cls, data, policy_type="vla", name="VLA", format_version=FORMAT_VERSION))
 
     ARCHITECTURE_FIELDS = (
-        "backbone", "cameras", "image_size", "state_dim", "action_dim", "chunk_size", "vision_channels", "vision_dim",
+        "backbone", "cameras", "image_size", "state_dim", "action_dim", "chunk_size", "vision_encoder", "vision_channels", "keypoints", "vision_dim",
         "text_dim", "text_layers", "max_words", "ngram_buckets", "state_hidden", "hidden_dim", "expert_hidden",
         "expert_layers", "aux_dim", "aux_input", "lora_rank", "backbone_layers", "backbone_image_size", "lora_alpha", "lora_targets",
         "freeze_vision", "max_text_tokens", "pool_queries", "advantage_input",

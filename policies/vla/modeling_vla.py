@@ -81,6 +81,47 @@ class FiLMConvEncoder(nn.Module):
         return self.project(x)
 
 
+class SpatialSoftmaxEncoder(nn.Module):
+    """One camera: overlapping 3x3 convs (the first two at stride 2, the rest at 1), each modulated by the instruction
+    (FiLM), then a spatial softmax (robomimic, Diffusion Policy) at image_size / 4: `keypoints` attention maps, each
+    reduced to its expected image coordinates. A stride-4 patchify puts a 3-pixel cube inside one patch before any
+    feature sees it; here it spans overlapping windows, and the softmax keeps *where* to below a cell."""
+
+    def __init__(self, config: VLAConfig) -> None:
+        super().__init__()
+        chans = config.vision_channels
+        layers, films = [], []
+        in_ch = 5  # RGB + two coordinate channels, as FiLMConvEncoder
+        for i, out_ch in enumerate(chans):
+            layers.append(nn.Conv2d(in_ch, out_ch, 3, 2 if i < 2 else 1, padding=1))
+            films.append(nn.Linear(config.text_dim, 2 * out_ch))
+            in_ch = out_ch
+        self.convs = nn.ModuleList(layers)
+        self.norms = nn.ModuleList(nn.GroupNorm(min(8, c), c) for c in chans)
+        self.films = nn.ModuleList(films)
+        for film in self.films:  # start as identity modulation
+            nn.init.zeros_(film.weight)
+            nn.init.zeros_(film.bias)
+        self.keypoints = nn.Conv2d(chans[-1], config.keypoints, 1)
+        self.project = nn.Sequential(nn.Linear(2 * config.keypoints, config.vision_dim), nn.GELU())
+        side = config.image_size // 2 ** min(2, len(chans))
+        ys, xs = torch.meshgrid(torch.linspace(-1, 1, config.image_size), torch.linspace(-1, 1, config.image_size), indexing="ij")
+        self.register_buffer("coords", torch.stack([xs, ys])[None], persistent=False)
+        grid = torch.linspace(-1, 1, side)
+        self.register_buffer("grid", torch.stack(torch.meshgrid(grid, grid, indexing="xy"), -1).reshape(-1, 2), persistent=False)
+
+    def forward(self, image: Tensor, text: Tensor) -> Tensor:
+        x = torch.cat([image * 2 - 1, self.coords.expand(image.shape[0], -1, -1, -1)], dim=1)
+        for conv, norm, film in zip(self.convs, self.norms, self.films):
+            gamma, beta = film(text).chunk(2, dim=-1)
+            x = F.gelu(norm(conv(x)) * (1 + gamma[..., None, None]) + beta[..., None, None])
+        attention = self.keypoints(x).flatten(2).softmax(dim=-1)  # (B, K, side*side)
+        return self.project((attention @ self.grid).flatten(1))  # expected (x, y) of each keypoint
+
+
+VISION_ENCODERS = {"patchify": FiLMConvEncoder, "spatial_softmax": SpatialSoftmaxEncoder}
+
+
 class SinusoidalTime(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -160,7 +201,7 @@ class VLAPolicy(ChunkedActing, nn.Module):
         else:
             self.tokenizer = HashTokenizer(config.ngram_buckets, config.max_words)
             self.text = TextEncoder(config.ngram_buckets, config.text_dim, config.text_layers, config.max_words)
-            self.vision = nn.ModuleDict({cam: FiLMConvEncoder(config) for cam in config.cameras})
+            self.vision = nn.ModuleDict({cam: VISION_ENCODERS[config.vision_encoder](config) for cam in config.cameras})
             self.state_mlp = nn.Sequential(nn.Linear(config.state_dim, config.state_hidden), nn.GELU())
             fused = config.vision_dim * len(config.cameras) + config.text_dim + config.state_hidden
             self.fuse = nn.Sequential(

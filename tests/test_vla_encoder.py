@@ -1,0 +1,62 @@
+"""The VLA's camera encoders: the spatial-softmax encoder says where a small object is, where the stride-4 patchify
+cannot (benchmarks/localisation_probe.py, on frames of a real MuJoCo scene); the choice is stored in config.json, and
+checkpoints written before it load as patchify and act as before."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_vla import fake_batch, tiny_config
+
+from policies.vla import VLAConfig, VLAPolicy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from localisation_probe import cube_frames, probe  # noqa: E402
+
+FIXTURE_CHECKPOINT = Path(__file__).parent / "fixtures" / "run-before-methods" / "checkpoints" / "round-001"
+
+
+def test_the_spatial_softmax_encoder_localises_a_four_centimetre_cube_where_patchify_cannot():
+    """Known answer: the cube's pixel position, from the camera's pose. On held-out frames the spatial softmax comes
+    within two pixels (a cell of its 16x16 map is four); the patchify stays near the labels' own spread, guessing."""
+    torch.set_num_threads(1)
+    train, test = cube_frames(384, 0), cube_frames(128, 1)
+    spread = float(np.median(np.linalg.norm(test[1] - train[1].mean(0), axis=-1)))  # the error of always guessing the mean
+    assert 4.0 < spread < 10.0, spread
+    small = dict(steps=600, lr=2e-3, vision_channels=(16, 32, 32), vision_dim=64, keypoints=16)
+    keypoints, patchify = probe("spatial_softmax", train, test, **small), probe("patchify", train, test, **small)
+    assert keypoints["test_median_px"] < 2.0, keypoints
+    assert patchify["test_median_px"] > 0.75 * spread and patchify["test_median_px"] > 2.5 * keypoints["test_median_px"], (patchify, keypoints, spread)
+
+
+def test_the_encoder_choice_is_stored_and_a_spatial_softmax_checkpoint_acts_the_same_after_loading(tmp_path):
+    torch.manual_seed(0)
+    model = VLAPolicy(tiny_config(vision_encoder="spatial_softmax", keypoints=8)).eval()
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert (config["vision_encoder"], config["keypoints"]) == ("spatial_softmax", 8)
+    loaded = VLAPolicy.from_pretrained(str(tmp_path / "ckpt")).eval()
+    batch, noise = fake_batch(), torch.randn(6, 4, 7)
+    torch.testing.assert_close(model.predict_action_chunk(batch, noise=noise), loaded.predict_action_chunk(batch, noise=noise))
+    config["vision_encoder"] = "patchify"  # the weights of one encoder are not the other's
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="does not match this VLA architecture.*keypoints"):
+        VLAPolicy.from_pretrained(str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="vision_encoder must be 'patchify' or 'spatial_softmax'; got 'resnet'"):
+        VLAConfig(vision_encoder="resnet")
+
+
+def test_a_checkpoint_from_before_the_choice_loads_as_patchify_and_acts():
+    assert "vision_encoder" not in json.loads((FIXTURE_CHECKPOINT / "config.json").read_text())
+    policy = VLAPolicy.from_pretrained(str(FIXTURE_CHECKPOINT)).eval()
+    assert policy.config.vision_encoder == "patchify"
+    s = policy.config.image_size
+    batch = {"observation.images.agentview": np.zeros((2, s, s, 3), np.uint8), "observation.images.wrist": np.zeros((2, s, s, 3), np.uint8),
+             "observation.state": np.zeros((2, 8), np.float32), "task": ["open the top drawer"] * 2}  # fmt: skip
+    chunk = policy.predict_action_chunk(batch, noise=torch.zeros(2, policy.config.chunk_size, 7))
+    assert chunk.shape == (2, policy.config.chunk_size, 7) and torch.isfinite(chunk).all()
