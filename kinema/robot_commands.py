@@ -179,11 +179,8 @@ def deploy(args: argparse.Namespace) -> int:
         raise ValueError("--keys marks recorded episodes: it needs --record DIR")
     robot = load_robot_config(args.robot)
     policy = load_policy(args.policy, control_hz=robot.rates.control_hz, noise_scale=args.noise_scale)
-    if not args.policy.startswith("scripted:"):
-        from policies.checkpoint import own_actor_warning
-
-        if note := own_actor_warning(args.policy):
-            print(f"warning: {note}", file=sys.stderr, flush=True)
+    if description := getattr(policy, "description", ""):
+        print(f"acting: {description}", file=sys.stderr, flush=True)
     results: list[dict[str, Any]] = []
     with _transport(args, "kinema_policy") as transport:
         node = PolicyNode(transport, robot, policy, instruction=args.instruction)

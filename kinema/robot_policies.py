@@ -116,20 +116,36 @@ def load_policy(spec: str, *, control_hz: float = 20.0, noise_scale: float | Non
         raise FileNotFoundError(f"--policy {spec}: not a checkpoint folder (no config.json) and not scripted:<{'|'.join(SCRIPTED)}>")
     import torch
 
-    from policies import load_policy
+    from kinema.train.acting import load_acting
 
     # One thread: inference shares the CPU with the control loop and the transport (measured: more threads are
     # slower under contention).
     torch.set_num_threads(1)
-    policy = load_policy(path)
-    if noise_scale is not None:
-        if not hasattr(policy.config, "inference_noise_scale"):
-            raise ValueError(f"--noise-scale scales a VLA's initial flow noise; {spec} is a {type(policy).__name__}, which samples its own")
-        if noise_scale < 0:
-            raise ValueError(f"--noise-scale must be >= 0 (1: sampled, 0: zero noise); got {noise_scale}")
-        policy.config.inference_noise_scale = noise_scale
-    policy.eval()
-    return policy
+    return CheckpointPolicy(load_acting(path, noise_scale=noise_scale))
+
+
+class CheckpointPolicy:
+    """A checkpoint acting on the robot as its method defines (`kinema.train.acting.load_acting`: a dsrl checkpoint
+    steered by its noise actor, a residual one with its correction, a video policy planning as it keeps), behind the
+    policy node's interface: `reset()`, `predict_action_chunk(batch) -> (B, chunk_size, action_dim)`, `config`."""
+
+    def __init__(self, loaded: Any) -> None:
+        self.policy, self.description = loaded.policy, loaded.default.description
+        self.config = self.policy.config
+        if hasattr(self.config, "inference_noise_scale"):  # what the policy's own sampler draws at (select_action)
+            self.config.inference_noise_scale = loaded.noise_scale
+        self.runner = loaded.default.make()
+        self.policy.eval()
+
+    def reset(self) -> None:
+        self.policy.reset()
+
+    def predict_action_chunk(self, batch: dict[str, Any]) -> np.ndarray:
+        import torch
+
+        tensors = {k: (torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v) for k, v in batch.items()}
+        with torch.no_grad():
+            return self.runner.sample(tensors).cpu().numpy()
 
 
 def export_sim_panda_mjcf(path: str | Path | None = None) -> Path:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +55,9 @@ def acting_policy(spec: str, seed: int = 0) -> Any:
         return RandomPolicy(seed)
     if not (Path(spec) / "config.json").is_file():
         raise ValueError(f"--policy {spec}: expected a checkpoint folder (with config.json), 'zero' or 'random'")
-    from kinema.train.evaluate import ChunkPolicy
-    from policies import load_policy
-    from policies.checkpoint import own_actor_warning
+    from kinema.train.acting import load_acting
 
-    if note := own_actor_warning(spec):
-        print(f"warning: {note}", file=sys.stderr, flush=True)
-    policy = load_policy(spec)  # acting as its run evaluated it: its inference noise scale
-    return ChunkPolicy(policy, noise_scale=getattr(policy.config, "inference_noise_scale", 1.0))
+    return load_acting(spec).default.make()  # as its method acts, at the noise scale its run evaluated with
 
 
 def _task_config(text: str) -> dict[str, Any] | None:

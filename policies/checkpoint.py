@@ -159,16 +159,3 @@ def config_fields(cls: Any, data: Mapping[str, Any], *, policy_type: str, name: 
             if not (fits or (expected is float and isinstance(value, int) and not isinstance(value, bool))):
                 raise ValueError(f"config.json field {f.name} is {value!r}; expected {expected.__name__}")
     return data
-
-
-def own_actor_warning(checkpoint: str | os.PathLike) -> str | None:
-    """A note for the commands that run a checkpoint's VLA alone (`kinema deploy`, `kinema sim`): the run of a
-    `dsrl` or `residual` checkpoint acted through an actor of its own (in its method.pt), which they do not apply."""
-    path = Path(checkpoint) / METHOD_FILE
-    if not path.is_file():
-        return None
-    name = torch.load(path, map_location="cpu", weights_only=False)["name"]
-    if name not in ("dsrl", "residual"):
-        return None
-    return (f"{checkpoint} is a {name} checkpoint: its run acted through the {name} actor in its {METHOD_FILE}, which this "
-            f"command does not apply; the VLA acts alone here (as before RL). `kinema eval` acts with the actor.")  # fmt: skip

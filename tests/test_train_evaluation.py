@@ -105,7 +105,7 @@ def test_a_checkpoints_inference_noise_scale_is_how_it_acts_alone_and_deploy_can
     assert load_policy(str(tmp_path / "ckpt")).config.inference_noise_scale == 0.0
     deployed = load_policy(str(tmp_path / "ckpt"), noise_scale=1.0)
     assert deployed.config.inference_noise_scale == 1.0
-    assert not torch.allclose(deployed.predict_action_chunk(tensors), zero)
+    assert not torch.allclose(torch.as_tensor(deployed.predict_action_chunk(tensors)), zero)  # numpy, as the node takes
     with pytest.raises(ValueError, match="--noise-scale must be >= 0"):
         load_policy(str(tmp_path / "ckpt"), noise_scale=-0.5)
     with pytest.raises(ValueError, match="scripted:zero is a scripted policy"):

@@ -176,3 +176,13 @@ def test_dsrl_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_steers_with_i
     assert refused.returncode != 0 and "--select-margin applies to --select N > 1 with a pa_rl checkpoint" in refused.stderr
     refused = kinema(*args, "--noise-scale", "0")  # its actor chooses the noise
     assert refused.returncode != 0 and "acts with the noise its DSRL actor chooses" in refused.stderr
+    # kinema deploy acts as kinema eval did (load_acting): steered by the actor's mean noise, so the same observation
+    # gives the same chunk twice, where the VLA alone samples its noise.
+    from kinema.robot_policies import load_policy as deploy_policy
+
+    deployed = deploy_policy(str(run / "checkpoints" / "final"))
+    assert "DSRL noise actor" in deployed.description
+    batch = obs(2)
+    np.testing.assert_array_equal(deployed.predict_action_chunk(batch), deployed.predict_action_chunk(batch))
+    tensors = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in batch.items()}
+    assert not torch.allclose(deployed.policy.predict_action_chunk(tensors), deployed.policy.predict_action_chunk(tensors))

@@ -10,12 +10,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train_pa_rl_dsrl import act, eval_as_the_run_did, kinema, obs, records, train_tiny
+from test_train_pa_rl_dsrl import (
+    act,
+    eval_as_the_run_did,
+    kinema,
+    obs,
+    records,
+    train_tiny,
+)
 from test_train_ppo import tiny_policy
+from test_vla import fake_batch
 
 from diffusion_rl.dsrl import DSRLAgent, NoiseActor
+from kinema.robot_policies import load_policy as deploy_policy
+from kinema.sim_commands import acting_policy
 from kinema.train.evaluate import ChunkPolicy, ResidualChunkPolicy
-from policies.checkpoint import own_actor_warning
 
 torch.set_num_threads(1)
 
@@ -143,11 +152,19 @@ def test_residual_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_acts_with
     # --resume with another bound would reread the stored corrections at another scale: refused, by name.
     refused = kinema("train", "--resume", str(run), "--rl.rounds", "2", "--rl.residual.scale", "0.3")
     assert refused.returncode != 0 and "rl.residual differs from the run's: scale 0.3 (the run's 0.2)" in refused.stderr
-    # kinema deploy and kinema sim run the VLA alone, and say so for a checkpoint that acted through an actor.
-    assert "residual actor in its method.pt" in own_actor_warning(run / "checkpoints" / "final")
-    assert own_actor_warning(tmp_path) is None  # no method.pt: nothing to say
     _, report = eval_as_the_run_did(run, tmp_path / "eval", seed=2)
     assert "residual correction (bound ±0.2)" in report["acting"] and report["noise_scale"] == 0.0
+    # kinema deploy and kinema sim act as kinema eval did: the VLA's zero-noise chunk plus the mean correction on the
+    # executed steps (load_acting, the one loader).
+    deployed = deploy_policy(str(run / "checkpoints" / "final"))
+    assert "residual correction (bound ±0.2)" in deployed.description
+    batch = {k: (v.numpy() if torch.is_tensor(v) else v) for k, v in fake_batch(2, deployed.config).items() if k != "action"}
+    chunk, n = deployed.predict_action_chunk(batch), deployed.config.n_action_steps
+    alone = deployed.policy.predict_action_chunk({k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in batch.items()},
+                                                 noise=torch.zeros(2, deployed.config.chunk_size, 7)).numpy()  # fmt: skip
+    correction = np.abs(chunk[:, :n] - alone[:, :n])
+    assert 0 < correction.max() <= 0.2 + 1e-6 and np.allclose(chunk[:, n:], alone[:, n:], atol=1e-6)
+    np.testing.assert_allclose(acting_policy(str(run / "checkpoints" / "final"))(batch), chunk[:, :n], atol=1e-6)
 
 
 def test_residual_refuses_what_it_cannot_honour(tmp_path: Path):

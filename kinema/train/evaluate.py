@@ -17,6 +17,16 @@ EVAL_SEED_OFFSET = 1_000_000  # evaluation seeds never overlap training/demo see
 RUN_SEED_STRIDE = 10_000  # a run of seed s evaluates on EVAL_SEED_OFFSET + s·RUN_SEED_STRIDE + [0, episodes)
 
 
+@dataclass
+class Acting:
+    """How a checkpoint acts, as a method defines it (`RLMethod.acting`, `RLMethod.selection`): `make()` gives a fresh
+    runner (a `ChunkPolicy`) for each use, `description` says what acts, in words; `num_samples` > 1 for best-of-N."""
+
+    make: Callable[[], ChunkPolicy]
+    description: str
+    num_samples: int = 1
+
+
 class ChunkPolicy:
     """Adapts a VLA (or anything with `predict_action_chunk`) to sim.rollout's batched policy interface.
 

@@ -20,7 +20,7 @@ from kinema.common import Run
 from kinema.train.distributed import broadcast_object, is_main, world
 from kinema.train.actor import ActorLoss, actor_updates, ema_update, policy_features, split_per_episode
 from kinema.train.buffer import StepBuffer
-from kinema.train.evaluate import ChunkPolicy, summarize
+from kinema.train.evaluate import Acting, ChunkPolicy, SelectChunkPolicy, summarize
 from kinema.train.progress import RunProgress
 from kinema.train.success import RolloutSuccessModel
 from sim.env import CAMERAS
@@ -188,6 +188,36 @@ class RLMethod:
     def eval_runner(self, policy: Any) -> ChunkPolicy:
         """What acts in the round and final evaluations: the policy's own ODE chunks (DSRL: steered by its actor)."""
         return ChunkPolicy(policy, noise_scale=self.cfg.eval.noise_scale)
+
+    # -- how a checkpoint it saved acts (kinema eval, sim, deploy: `kinema.train.acting.load_acting`) --------------------
+    @classmethod
+    def checkpoint_noise_scale(cls, policy: Any, state: dict[str, Any] | None) -> float:
+        """The initial-noise scale the checkpoint's run evaluated with: the policy's `inference_noise_scale`."""
+        return getattr(policy.config, "inference_noise_scale", 1.0)
+
+    @classmethod
+    def acting(cls, policy: Any, state: dict[str, Any] | None, *, noise_scale: float) -> Acting:
+        """How a checkpoint this method saved (`state`: its method.pt's, None for a checkpoint without one) acts alone:
+        the policy's own chunks from its initial noise scaled by `noise_scale` (a policy that plans: its first
+        candidate alone). Methods whose checkpoints act through an actor of their own (dsrl, residual) override it."""
+        if hasattr(policy, "plan"):  # its chunks alone, whatever planning_candidates the checkpoint keeps
+            if noise_scale != 1.0:
+                raise ValueError(f"a noise scale scales a flow sampler's initial noise; {type(policy).__name__} samples latents of its own (use 1)")
+            return Acting(lambda: SelectChunkPolicy(policy, None, num_samples=1), "policy")
+        acting = Acting(lambda: ChunkPolicy(policy, noise_scale=noise_scale),
+                        "policy" if noise_scale == 1.0 else f"policy, initial noise scaled by {noise_scale:g}")  # fmt: skip
+        if getattr(policy.config, "advantage_input", False):  # a recap checkpoint acts asking for its indicator
+            asked = {0: "unconditioned", 1: "asking for improvements", 2: "asking for non-improvements"}[policy.config.advantage_condition]
+            beta = policy.config.advantage_guidance
+            acting.description += f", {asked} (Recap's indicator{f', guidance {beta:g}' if beta != 1 else ''})"
+        return acting
+
+    @classmethod
+    def selection(cls, policy: Any, state: dict[str, Any] | None, *, num_samples: int, noise_scale: float,
+                  margin: float = 0.0) -> Acting | None:  # fmt: skip
+        """Best-of-N chunks by the value this method's checkpoint keeps (pa_rl: its chunk critic); None: it keeps
+        none (a policy that predicts its own values, the video policy, then plans by them)."""
+        return None
 
     def final_evaluations(self, policy: Any, progress: RunProgress) -> list[dict[str, Any]]:
         """Evaluation records beside the final one (PA-RL: value-guided selection at N samples, with its latency)."""

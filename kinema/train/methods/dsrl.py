@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from diffusion_rl.dsrl import DSRLAgent
-from kinema.train.evaluate import SteeredChunkPolicy
+from kinema.train.evaluate import Acting, SteeredChunkPolicy
 from kinema.train.methods.base import RLMethod
 from kinema.train.success import seeded
 
@@ -113,6 +113,20 @@ class DSRL(RLMethod):
     def eval_runner(self, policy: Any) -> SteeredChunkPolicy:
         return SteeredChunkPolicy(policy, self.agent.actor, deterministic=True)
 
+    @classmethod
+    def checkpoint_noise_scale(cls, policy: Any, state: dict[str, Any] | None) -> float:
+        return 1.0  # its actor picks the noise
+
+    @classmethod
+    def acting(cls, policy: Any, state: dict[str, Any] | None, *, noise_scale: float) -> Acting:
+        """The VLA steered by the noise actor the checkpoint saved (its mean noise)."""
+        if state is None:
+            raise ValueError("a dsrl checkpoint acts through the noise actor in its method.pt, which this checkpoint lacks")
+        if noise_scale != 1.0:
+            raise ValueError("--noise-scale scales the VLA's own initial flow noise; a dsrl checkpoint acts with the noise its DSRL actor chooses (use 1)")
+        actor = saved_actor(state, input_dim=policy.config.hidden_dim)
+        return Acting(lambda: SteeredChunkPolicy(policy, actor, deterministic=True), "the VLA steered by the checkpoint's DSRL noise actor")
+
     def update(self, rollouts, record, progress) -> None:
         o = self.options
         new = self.chunk_transitions(rollouts)
@@ -190,8 +204,3 @@ def saved_actor(state: dict, *, input_dim: int) -> torch.nn.Module:
                       critic_layer_norm=shape.get("critic_layer_norm", False))  # fmt: skip
     agent.load_state_dict(state["agent"])
     return agent.actor.eval()
-
-
-def steered_runner(policy: Any, state: dict) -> SteeredChunkPolicy:
-    """`kinema eval` of a dsrl checkpoint: the VLA steered by the noise actor it saved (its mean noise)."""
-    return SteeredChunkPolicy(policy, saved_actor(state, input_dim=policy.config.hidden_dim), deterministic=True)

@@ -33,7 +33,7 @@ from diffusion_rl.chunk_q import ChunkQ, chunk_q_update, chunk_transitions, disc
 from diffusion_rl.data import Episode, ExecutedBy
 from diffusion_rl.success_model import brier_score, expected_calibration_error, spearman_rank_correlation
 from kinema.train.actor import policy_features
-from kinema.train.evaluate import SelectChunkPolicy, batch1_latency_ms, evaluate
+from kinema.train.evaluate import Acting, SelectChunkPolicy, batch1_latency_ms, evaluate
 from kinema.train.methods.base import RLMethod
 from kinema.train.success import seeded
 
@@ -177,6 +177,20 @@ class PARL(RLMethod):
         return weights, selected
 
     # -- evaluation and checkpoints ----------------------------------------------------------------------------------
+    @classmethod
+    def selection(cls, policy: Any, state: dict[str, Any] | None, *, num_samples: int, noise_scale: float,
+                  margin: float = 0.0) -> Acting | None:  # fmt: skip
+        """Value-guided selection (V-GPS) with the chunk critic the checkpoint saved; `margin` keeps the policy's own
+        chunk unless another is valued that much higher."""
+        if state is None:
+            return None
+        critic = ChunkQ(policy.config.hidden_dim, state["shape"]["horizon"], state["shape"]["action_dim"])
+        critic.load_state_dict(state["critic"])
+        critic.eval()
+        kept = f", the policy's own kept unless another is valued {margin:g} higher" if margin else ""
+        return Acting(lambda: SelectChunkPolicy(policy, critic, num_samples=num_samples, noise_scale=noise_scale, margin=margin),
+                      f"best of {num_samples} sampled chunks by the pa_rl checkpoint's chunk critic{kept}", num_samples)  # fmt: skip
+
     def final_evaluations(self, policy, progress) -> list[dict[str, Any]]:
         cfg, n = self.cfg, self.options.eval_samples
         if not n:
@@ -205,13 +219,6 @@ class PARL(RLMethod):
         self.critic.load_state_dict(state["critic"])
         self.target.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])
-
-
-def selection_runner(policy: Any, state: dict, *, num_samples: int, noise_scale: float = 1.0, margin: float = 0.0) -> SelectChunkPolicy:
-    """`kinema eval --select N`: value-guided selection with the chunk critic a pa_rl checkpoint saved."""
-    critic = ChunkQ(policy.config.hidden_dim, state["shape"]["horizon"], state["shape"]["action_dim"])
-    critic.load_state_dict(state["critic"])
-    return SelectChunkPolicy(policy, critic.eval(), num_samples=num_samples, noise_scale=noise_scale, margin=margin)
 
 
 def distil_loss(selected: Tensor):

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from diffusion_rl.dsrl import LOG_STD_RANGE
-from kinema.train.evaluate import ResidualChunkPolicy
+from kinema.train.evaluate import Acting, ResidualChunkPolicy
 from kinema.train.methods.dsrl import DSRL, SACOptions, saved_actor
 
 
@@ -96,9 +96,16 @@ class Residual(DSRL):
     def _shape(self) -> dict:
         return {**super()._shape(), "scale": self.options.scale, "base_noise_scale": self.base_noise_scale}
 
+    @classmethod
+    def checkpoint_noise_scale(cls, policy: Any, state: dict[str, Any] | None) -> float:
+        return state["shape"]["base_noise_scale"]  # the base's noise the correction was trained on
 
-def residual_runner(policy: Any, state: dict, *, base_noise_scale: float) -> ResidualChunkPolicy:
-    """`kinema eval` of a residual checkpoint: the VLA's chunk from initial noise scaled by `base_noise_scale` (its
-    run's is `state["shape"]["base_noise_scale"]`) plus the mean correction of the actor it saved."""
-    actor = saved_actor(state, input_dim=state["shape"]["input_dim"])
-    return ResidualChunkPolicy(policy, actor, scale=state["shape"]["scale"], base_noise_scale=base_noise_scale)
+    @classmethod
+    def acting(cls, policy: Any, state: dict[str, Any] | None, *, noise_scale: float) -> Acting:
+        """The VLA's chunk from initial noise scaled by `noise_scale` plus the mean correction of the actor the
+        checkpoint saved."""
+        if state is None:
+            raise ValueError("a residual checkpoint acts with the correction actor in its method.pt, which this checkpoint lacks")
+        actor, bound = saved_actor(state, input_dim=state["shape"]["input_dim"]), state["shape"]["scale"]
+        return Acting(lambda: ResidualChunkPolicy(policy, actor, scale=bound, base_noise_scale=noise_scale),
+                      f"the VLA's chunk (initial noise scaled by {noise_scale:g}) plus the checkpoint's residual correction (bound ±{bound:g})")  # fmt: skip
