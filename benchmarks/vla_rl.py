@@ -392,17 +392,17 @@ def start_eval(run: Path, stage: str, noise_scale: float) -> dict:
     kept = run / f"eval-{stage}-noise{noise_scale:g}.json"
     if kept.exists():
         return json.loads(kept.read_text())
-    from kinema.train.evaluate import SPLITS, ChunkPolicy, evaluate
-    from policies import load_policy
+    from kinema.train.acting import load_acting
+    from kinema.train.evaluate import SPLITS, evaluate
 
     cfg = _run_config(run)
-    policy = load_policy(run / "checkpoints" / stage)
+    loaded = load_acting(run / "checkpoints" / stage, noise_scale=noise_scale)  # acting as its method acts
     again = {"kind": "eval", "stage": stage, "noise_scale": noise_scale}
     print(f"evaluating {run}/checkpoints/{stage} again from the arms' initial noise × {noise_scale:g}", flush=True)
     for split in [s for s in SPLITS if f"{s}/success" in record]:
-        res, _ = evaluate(policy, cfg["task"], episodes=record[f"{split}/episodes"], split=split, num_envs=cfg["num_envs"],
+        res, _ = evaluate(loaded.policy, cfg["task"], episodes=record[f"{split}/episodes"], split=split, num_envs=cfg["num_envs"],
                           num_workers=cfg["workers"], image_size=cfg["policy"]["image_size"], task_config=cfg.get("task_config") or None,
-                          seed=cfg["seed"], runner=ChunkPolicy(policy, noise_scale=noise_scale))  # fmt: skip
+                          seed=cfg["seed"], runner=loaded.acting.make())  # fmt: skip
         again.update(res.as_dict(prefix=f"{split}/"))
     write_text_atomic(kept, json.dumps(again))  # a kill mid-write leaves no half record to be read as one
     return again
@@ -729,14 +729,14 @@ def _video_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides
 
 def _planned_eval(run: Path, checkpoint: str, candidates: int) -> dict:
     """The run's final-evaluation episodes again (same seeds: paired), acting with best-of-N planning."""
-    from kinema.train.evaluate import SelectChunkPolicy, evaluate
-    from policies import load_policy
+    from kinema.train.acting import load_acting
+    from kinema.train.evaluate import evaluate
 
     cfg = _run_config(run)
-    policy = load_policy(run / "checkpoints" / checkpoint)
-    res, _ = evaluate(policy, cfg["task"], episodes=cfg["eval"]["episodes"], split="train", num_envs=cfg["num_envs"],
+    loaded = load_acting(run / "checkpoints" / checkpoint, select=candidates)
+    res, _ = evaluate(loaded.policy, cfg["task"], episodes=cfg["eval"]["episodes"], split="train", num_envs=cfg["num_envs"],
                       num_workers=cfg["workers"], image_size=cfg["policy"]["image_size"], task_config=cfg.get("task_config") or None,
-                      seed=cfg["seed"], runner=SelectChunkPolicy(policy, None, num_samples=candidates))  # fmt: skip
+                      seed=cfg["seed"], runner=loaded.selection.make())  # fmt: skip
     return res.as_dict(prefix="train/")
 
 

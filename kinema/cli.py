@@ -87,8 +87,9 @@ def _add_train_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--seed", type=int, default=0,
                     help="the evaluation episodes of a `kinema train` run of this seed: the same episodes as its "
                     "evaluations (paired with them and with every other run of that seed)")
-    ev.add_argument("--splits", default="train,heldout_instructions,heldout_objects,ablated_instructions",
-                    help="comma-separated; ablated_instructions: the training templates naming no target (chance)")
+    ev.add_argument("--splits", default="all",
+                    help="comma-separated, of train, heldout_instructions, heldout_objects and ablated_instructions (the "
+                    "training templates naming no target: chance); all: every one")
     ev.add_argument("--out", default=None, help="report folder (default: <checkpoint>/eval-<task>)")
     ev.add_argument("--workers", type=int, default=2, help="env worker processes")
     ev.add_argument("--videos", type=int, default=2, help="rollout MP4s written per split")

@@ -29,7 +29,7 @@ def eval_command(args: argparse.Namespace) -> int:
 
     check_task(args.task)
     # Every argument is checked before the first episode, so that a typo cannot cost an evaluation or its old report.
-    splits = [split.strip() for split in args.splits.split(",")]
+    splits = list(SPLITS) if args.splits.strip() == "all" else [split.strip() for split in args.splits.split(",")]
     if bad := [split for split in splits if split not in SPLITS]:
         raise ValueError(f"--splits: unknown split(s) {bad}; valid: {', '.join(SPLITS)} (comma-separated)")
     if args.episodes < 1 or args.workers < 0 or args.videos < 0:
