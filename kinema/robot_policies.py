@@ -132,7 +132,7 @@ class CheckpointPolicy:
     def __init__(self, loaded: Any) -> None:
         self.policy, self.description = loaded.policy, loaded.default.description
         self.config = self.policy.config
-        if hasattr(self.config, "inference_noise_scale"):  # what the policy's own sampler draws at (select_action)
+        if self.policy.scales_initial_noise:  # what the policy's own sampler draws at (select_action)
             self.config.inference_noise_scale = loaded.noise_scale
         self.runner = loaded.default.make()
         self.policy.eval()

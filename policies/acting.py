@@ -27,8 +27,27 @@ def camera_images(batch: Mapping[str, Any], key: str, size: int, device: torch.d
 
 
 class ChunkedActing:
-    """`select_action`/`reset` for a policy with `predict_action_chunk` and `config.n_action_steps`: one env's next
-    action, a new chunk planned every `n_action_steps` steps and the rest of the old one dropped."""
+    """What every kinema policy is, to a trainer and to the commands that run it, written down once.
+
+    Every policy type has: `config` (with `chunk_size`, `n_action_steps`, `action_dim`, `image_size`, `cameras`,
+    `hidden_dim`), `predict_action_chunk(batch, *, noise=None) -> (B, chunk_size, action_dim)`, `features(batch)`,
+    the RL core's `FlowPolicy` (`flow_loss`, `sde_log_prob`), `save_pretrained` / `from_pretrained`; and from this
+    class `select_action`/`reset`: one env's next action, a new chunk every `n_action_steps` steps.
+
+    What only some types can do is declared by the class attributes below (False here); a type that sets one
+    implements what it names. Trainers and commands ask these, never `hasattr`.
+    """
+
+    # Its sampler starts from Gaussian noise that a runner may scale (`config.inference_noise_scale`, the scale the
+    # policy draws at by itself): the VLA's flow. A policy that samples latents of its own (the video policy) does not.
+    scales_initial_noise: bool = False
+    # `plan(batch, *, candidates=None, noise=None) -> {"chunks", "values", "best", ...}`: sampled chunks with their
+    # predicted values, so it can act best-of-N by its own value (`config.planning_candidates`).
+    plans: bool = False
+    # `predicted_future_images() -> {camera: (B, 3, H, W)}`: the frames its last chunk predicted.
+    predicts_frames: bool = False
+    # `experience_loss(batch, *, context=None) -> (B,)`: modes trained on every replay step (`config.experience_fraction`).
+    learns_from_experience: bool = False
 
     _queue: deque[np.ndarray]
 

@@ -41,3 +41,21 @@ def test_a_method_pt_of_a_method_this_kinema_does_not_know_is_refused_naming_the
         load_acting(tmp_path / "ckpt")
     with pytest.raises(ValueError, match="method 'teleport'"):
         deploy_policy(str(tmp_path / "ckpt"))
+
+
+def test_each_policy_type_declares_what_it_can_do_and_implements_what_it_declares():
+    """Trainers and commands ask a policy's declared capabilities (policies.acting.ChunkedActing), never hasattr: each
+    registered type declares exactly the optional methods it has."""
+    from dataclasses import fields
+
+    from policies import POLICY_TYPES, policy_classes
+
+    methods = {"plans": "plan", "predicts_frames": "predicted_future_images", "learns_from_experience": "experience_loss"}
+    declared = {}
+    for policy_type in POLICY_TYPES:
+        config_class, policy_class = policy_classes(policy_type)
+        for flag, method in methods.items():
+            assert getattr(policy_class, flag) == hasattr(policy_class, method), (policy_type, flag)
+        assert policy_class.scales_initial_noise == ("inference_noise_scale" in {f.name for f in fields(config_class)})
+        declared[policy_type] = {flag for flag in [*methods, "scales_initial_noise"] if getattr(policy_class, flag)}
+    assert declared == {"vla": {"scales_initial_noise"}, "video": {"plans", "predicts_frames", "learns_from_experience"}}

@@ -15,7 +15,7 @@ import torch
 from diffusion_rl.data import Episode
 from kinema.train.actor import actor_updates
 from kinema.train.buffer import StepBuffer
-from policies import load_policy, make_policy
+from policies import load_policy, make_policy, policy_classes
 from policies.video_policy import VideoPolicy, VideoPolicyConfig
 from policies.video_policy.modeling_video_policy import POLICY, VALUE, WORLD
 
@@ -100,8 +100,8 @@ def test_best_of_n_by_the_policys_own_value_is_the_shared_selection_runner():
     plan = policy.plan(b, candidates=4, noise=runner._episode_noise(2))
     torch.testing.assert_close(chosen, plan["chunks"][torch.arange(2), plan["values"].argmax(1)])
     assert policy.config.planning_candidates == 1  # the checkpoint's setting is untouched
-    with pytest.raises(ValueError, match="best-of-N needs a value: a chunk critic.*Identity predicts none"):
-        SelectChunkPolicy(torch.nn.Identity(), None, num_samples=4)
+    with pytest.raises(ValueError, match="best-of-N needs a value: a chunk critic.*VLAPolicy predicts none"):
+        SelectChunkPolicy(make_policy("vla", policy_classes("vla")[0]()), None, num_samples=4)  # a policy that does not plan
 
 
 def test_save_and_load_preserve_predictions_exactly(tmp_path: Path):

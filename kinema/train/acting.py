@@ -33,7 +33,7 @@ class LoadedActing:
     def default(self) -> Acting:
         """What acts where one way is wanted (deploy, sim): the selection where the checkpoint plans by default
         (a video policy with planning_candidates > 1), else the policy as its method acts alone."""
-        return self.selection if self.selection is not None and hasattr(self.policy, "plan") else self.acting
+        return self.selection if self.selection is not None and self.policy.plans else self.acting
 
 
 def saved_method(checkpoint: str | Path) -> dict[str, Any] | None:
@@ -65,7 +65,7 @@ def load_acting(checkpoint: str | Path, *, noise_scale: float | None = None, sel
         raise ValueError(f"--select-margin must be >= 0; got {margin}")
     if select is not None and select < 1:
         raise ValueError(f"--select must be >= 1 (1: no selection); got {select}")
-    plans = hasattr(policy, "plan")
+    plans = policy.plans
     loaded = LoadedActing(policy, saved["name"] if saved is not None else "", noise_scale, method.acting(policy, state, noise_scale=noise_scale))
     n = select if select is not None else (policy.config.planning_candidates if plans else 1)
     if n > 1:

@@ -85,7 +85,7 @@ def actor_updates(
             raise ValueError("demo_weights must be >= 0 with a positive sum over the imitable demonstration steps")
         demo_probs = w / w.sum()
     n_experience = 0
-    if replay is not None and len(replay) and hasattr(policy, "experience_loss") and policy.config.experience_fraction > 0:
+    if replay is not None and len(replay) and policy.learns_from_experience and policy.config.experience_fraction > 0:
         n_experience = max(1, int(round(batch_size * policy.config.experience_fraction)))
         experience_rows = shard(np.arange(len(replay))) if world()[1] > 1 else len(replay)
     losses, n_replay_total = [], 0

@@ -48,7 +48,7 @@ def eval_command(args: argparse.Namespace) -> int:
         raise SystemExit(f"--task-config must be a JSON object; got {args.task_config!r}")
     loaded = load_acting(args.policy, noise_scale=args.noise_scale, select=args.select, margin=args.select_margin)
     policy, acting, select, args.noise_scale = loaded.policy, loaded.acting, loaded.selection, loaded.noise_scale
-    if args.video_predictions and not hasattr(policy, "predicted_future_images"):
+    if args.video_predictions and not policy.predicts_frames:
         raise ValueError(f"--video-predictions needs a policy that predicts future frames (policy.type video); {args.policy} is a {type(policy).__name__}")
     seen = policy.config.extra.get("tasks", [])
     if seen and args.task not in seen:

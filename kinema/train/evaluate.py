@@ -37,7 +37,7 @@ class ChunkPolicy:
     """
 
     def __init__(self, policy: Any, *, n_action_steps: int | None = None, sde_noise: float | None = None, noise_scale: float = 1.0) -> None:
-        if noise_scale != 1.0 and hasattr(policy, "plan"):
+        if noise_scale != 1.0 and not policy.scales_initial_noise:
             raise ValueError(f"noise_scale scales a flow sampler's initial noise; {type(policy).__name__} samples latents of its own (use 1)")
         if noise_scale < 0:
             raise ValueError(f"noise_scale must be >= 0; got {noise_scale}")
@@ -124,7 +124,7 @@ class SelectChunkPolicy(ChunkPolicy):
                  record: bool = False, noise_scale: float = 1.0, margin: float = 0.0) -> None:  # fmt: skip
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1; got {num_samples}")
-        if critic is None and not hasattr(policy, "plan"):
+        if critic is None and not policy.plans:
             raise ValueError(f"best-of-N needs a value: a chunk critic, or a policy that predicts its chunks' values "
                              f"(policy.type video); {type(policy).__name__} predicts none")  # fmt: skip
         if margin and critic is None:

@@ -346,7 +346,7 @@ def record_video_predictions(policy: Any, task: str, task_config: dict | None, i
     frame per planned chunk, a row per camera with [observed now | predicted end of the chunk | observed then]
     (the chunk's end, t + chunk_size, clamped to the episode's last step). Returns what the MP4 shows (also written
     as `path` with .json)."""
-    if not hasattr(policy, "predicted_future_images"):
+    if not policy.predicts_frames:
         raise ValueError(f"{type(policy).__name__} does not predict future frames (--video-predictions needs policy.type video)")
     cameras, horizon = policy.config.cameras, policy.config.chunk_size
     runner = ChunkPolicy(policy)

@@ -265,7 +265,7 @@ def _train(
             sft_steps = cfg.sft.steps
         acting = copy.deepcopy(policy).requires_grad_(False) if decay else policy
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay)
-    if hasattr(policy.config, "inference_noise_scale"):  # its checkpoints act, deployed, as this run evaluates them
+    if policy.scales_initial_noise:  # its checkpoints act, deployed, as this run evaluates them
         for model in (policy, acting):
             model.config.inference_noise_scale = cfg.eval.noise_scale
     # The critics read the policy's features: their width is the policy's (a resumed one's, as saved).

@@ -76,6 +76,8 @@ def untile(frames: Tensor, dim: int) -> Tensor:
 class VideoPolicy(ChunkedActing, nn.Module):
     """Video-diffusion policy (Cosmos Policy family, CPU-sized by default). See the module docstring."""
 
+    plans = predicts_frames = learns_from_experience = True
+
     reads_future = True  # the trainer's buffer adds future frames, states and outcomes to this policy's batches
 
     def __init__(self, config: VideoPolicyConfig, *, generator_path: str | None = None) -> None:

@@ -188,6 +188,8 @@ class VLAPolicy(ChunkedActing, nn.Module):
     Normalisation statistics live in buffers, so they travel inside `model.safetensors` with the weights.
     """
 
+    scales_initial_noise = True
+
     def __init__(self, config: VLAConfig, *, backbone_path: str | None = None) -> None:
         """`backbone_path` overrides `config.backbone_path` (a checkpoint moved to a machine where the backbone
         lives elsewhere); the checkpoint's backbone fingerprint is still checked against it on load."""

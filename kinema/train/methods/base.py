@@ -200,7 +200,7 @@ class RLMethod:
         """How a checkpoint this method saved (`state`: its method.pt's, None for a checkpoint without one) acts alone:
         the policy's own chunks from its initial noise scaled by `noise_scale` (a policy that plans: its first
         candidate alone). Methods whose checkpoints act through an actor of their own (dsrl, residual) override it."""
-        if hasattr(policy, "plan"):  # its chunks alone, whatever planning_candidates the checkpoint keeps
+        if policy.plans:  # its chunks alone, whatever planning_candidates the checkpoint keeps
             if noise_scale != 1.0:
                 raise ValueError(f"a noise scale scales a flow sampler's initial noise; {type(policy).__name__} samples latents of its own (use 1)")
             return Acting(lambda: SelectChunkPolicy(policy, None, num_samples=1), "policy")
