@@ -5,6 +5,8 @@ then branches from that same checkpoint and the same demonstrations, through the
 
     sft            the SFT checkpoint itself (no RL)
     sft_continued  continued SFT on the demos, same gradient steps (the control arm)
+    sft_long       a fresh SFT from scratch on the same demos, its own cosine schedule over the SFT's steps plus every
+                   round's updates (equal total gradient steps): imitation nearer its plateau, the other control
     awr            single-critic advantage-weighted regression
     habc           hierarchical advantage weighting (viability + efficiency, gated)
     habc_mc        HABC with Monte-Carlo efficiency targets (our variant)
@@ -117,6 +119,8 @@ from policies.checkpoint import set_aside, write_text_atomic
 
 METHODS: dict[str, list[str]] = {
     "sft_continued": ["--rl.method", "sft_continued"],
+    # trained from scratch, not branched: its --sft.steps is the start's SFT steps + rounds x updates (FRESH_ARMS)
+    "sft_long": ["--rl.method", "none"],
     "awr": ["--rl.method", "awr"],
     "flow_ppo": ["--rl.method", "flow_ppo"],
     "flow_ppo_gae": ["--rl.method", "flow_ppo", "--rl.ppo.advantage", "gae"],
@@ -197,7 +201,8 @@ METHODS: dict[str, list[str]] = {
 
 BASELINES = ("sft", "sft_continued", "awr", "flow_ppo", "flow_ppo_gae")  # HABC's margin is over the best of these
 HEADLINE = ("sft_continued", "awr", "flow_ppo", "habc", "habc_hil")  # with sft, the arms --quick runs by default
-CONTROLS = ("sft_continued", "sft_continued_rwr")  # continued imitation, uniform or return-weighted
+CONTROLS = ("sft_continued", "sft_continued_rwr", "sft_long")  # more imitation: continued (uniform, return-weighted) or fresh
+FRESH_ARMS = ("sft_long",)  # SFT from scratch at the arms' total gradient steps: evaluated at its "sft" stage
 HIL_CONTROLS = ("hg_dagger", "hg_dagger_correction")  # HG-DAgger on every human step, or on the corrections only
 NOT_RL = ("sft", *CONTROLS, *HIL_CONTROLS)  # imitation arms: best_rl_margin_over_control is over the others
 # RL arms with the simulated human: best_hil_margin_over_hg_dagger is over these, against HG-DAgger with the same human
@@ -497,6 +502,15 @@ def main() -> None:
                     sft_jobs.append(Job(base, configs[task], [*common, "--rl.method", "none"]))
                 for method in methods:
                     run = _task_dir(out, regime, task, seed) / method
+                    if method in FRESH_ARMS:
+                        if args.start:
+                            parser.error(f"--methods {method}: an SFT from scratch cannot branch from --start; leave it out")
+                        if not _sft_done(run):
+                            if run.exists():
+                                set_aside(run, f"{run.name}-interrupted")
+                            arm_jobs.append(Job(run, configs[task], [*common, *METHODS[method], "--sft.steps",
+                                                                     str(_equal_steps(configs[task], common)), "--dataset", str(demos)]))  # fmt: skip
+                        continue
                     if not _final_done(run):
                         if run.exists() and not (run / "state.json").exists():  # killed before its first checkpoint
                             set_aside(run, f"{run.name}-interrupted")
@@ -533,6 +547,15 @@ def main() -> None:
                         "minutes": round((time.time() - started) / 60, 1), "task_run_minutes": first_minutes,
                         "cpu_minutes_per_run": first_cpu}  # fmt: skip
     print(json.dumps(summary))
+
+
+def _equal_steps(config: str | None, overrides: list[str]) -> int:
+    """The gradient steps of a branched arm in all: its start's SFT steps plus every round's actor updates."""
+    from kinema.common import load_config
+    from kinema.train.config import TrainConfig
+
+    cfg = load_config(config, overrides, config_class=TrainConfig)
+    return cfg.sft.steps + cfg.rl.rounds * cfg.rl.updates_per_round
 
 
 def _task_dir(out: Path, regime: str, task: str, seed: int) -> Path:
@@ -576,15 +599,15 @@ def regime_summary(
             for target in (rows, task_rows):
                 _add(target["sft"], sft, sft)
             _add_task(per_task, task, "sft", sft)
-            finals = {m: final_eval(_task_dir(out, regime, task, seed) / m, "final") for m in methods}
+            finals = {m: final_eval(_task_dir(out, regime, task, seed) / m, "sft" if m in FRESH_ARMS else "final") for m in methods}
             for method in methods:
                 run = _task_dir(out, regime, task, seed) / method
                 final = finals[method]
                 for target in (rows, task_rows):
                     _add(target[method], final, sft)
                 paired[method]["sft"].append(paired_outcome_differences(sft, final, "train"))
-                if "sft_continued" in finals and method != "sft_continued":
-                    paired[method]["sft_continued"].append(paired_outcome_differences(finals["sft_continued"], final, "train"))
+                for control in (c for c in ("sft_continued", "sft_long") if c in finals and method != c):
+                    paired[method][control].append(paired_outcome_differences(finals[control], final, "train"))
                 for control in (c for c in HIL_CONTROLS if c in finals and method in HIL_ARMS):  # against the same human
                     paired[method][control].append(paired_outcome_differences(finals[control], final, "train"))
                 if "sft_continued_rwr" in finals and method in RWR_ARMS:  # against imitation of the same weighted demos

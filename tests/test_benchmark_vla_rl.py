@@ -31,14 +31,23 @@ def bench(out: Path, *args: str) -> dict:
 @pytest.mark.slow
 def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     out = tmp_path / "bench"
-    first = bench(out, "--methods", "sft_continued", "--jobs", "2")
+    first = bench(out, "--methods", "sft_continued,sft_long", "--jobs", "2")
     runs = tmp_path / "bench_quick" / "drawer-s0"
-    assert first["_meta"]["runs_trained"] == 2 and first["_meta"]["jobs"] == 2
-    assert {p.name for p in (tmp_path / "bench_quick" / "logs").iterdir()} == {"drawer-s0-sft.log", "drawer-s0-sft_continued.log"}
+    assert first["_meta"]["runs_trained"] == 3 and first["_meta"]["jobs"] == 2
+    assert {p.name for p in (tmp_path / "bench_quick" / "logs").iterdir()} == {"drawer-s0-sft.log", "drawer-s0-sft_continued.log", "drawer-s0-sft_long.log"}
     assert json.loads((runs / "sft_continued" / "state.json").read_text())["final_done"]
     assert first["sft_continued"]["success"] is not None and first["_meta"]["task_run_minutes"]["drawer"] > 0
     cpu = first["_meta"]["cpu_minutes_per_run"]["drawer"]
     assert cpu["sft"] > 0 and cpu["sft_continued"] > 0 and "sft_then_habc" not in cpu  # no habc arm ran
+    # The other control, imitation on a fresh schedule: an SFT from scratch on the same demos with the SFT's steps
+    # plus every round's updates (the continued control's gradient steps in all), compared on the same episodes.
+    import yaml
+
+    sft_cfg, long_cfg = (yaml.safe_load((runs / m / "config.yaml").read_text()) for m in ("sft", "sft_long"))
+    assert long_cfg["sft"]["steps"] == sft_cfg["sft"]["steps"] + sft_cfg["rl"]["rounds"] * sft_cfg["rl"]["updates_per_round"]
+    assert not long_cfg["init_policy"] and long_cfg["dataset"] == str(runs / "sft" / "demos")
+    assert first["sft_long"]["success"] is not None and "sft_long" in first["per_task"]["drawer"]
+    assert first["sft_continued"]["paired_vs_sft_long"]["n"] == 2  # both evaluated on the same 2 episodes
 
     # An awr run killed before its first checkpoint (config written, no state): set aside, trained afresh; the SFT
     # and the control are reused, and the control's figures are the same as before.
@@ -48,7 +57,8 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     assert second["_meta"]["runs_trained"] == 1
     assert (runs / "awr-interrupted" / "config.yaml").is_file()
     assert json.loads((runs / "awr" / "state.json").read_text())["final_done"]
-    assert second["sft_continued"] == first["sft_continued"] and second["sft"] == first["sft"]
+    without_sft_long = {k: v for k, v in first["sft_continued"].items() if k != "paired_vs_sft_long"}  # not in this call's arms
+    assert second["sft_continued"] == without_sft_long and second["sft"] == first["sft"]
 
     # An SFT killed after its evaluation but before its checkpoint's state was written: set aside with the arms
     # that branched from it (they belong to another SFT), and everything trained again.
