@@ -3,7 +3,8 @@
 A pick_place cube (4 cm, three to four pixels wide at 64 px) is put at random places on the table and rendered from
 the agentview camera; each encoder (with a linear head, no instruction) is trained to regress the cube's pixel
 position, computed from the camera's pose, and is scored on frames it never saw. The spatial softmax keeps *where*;
-the stride-4 patchify puts the cube inside one patch and memorises its training frames instead.
+the stride-4 patchify puts the cube inside one patch, and from few frames memorises them instead (benchmarks/RESULTS.md
+has both budgets).
 
     python benchmarks/localisation_probe.py            # 2048 training frames, 2000 steps per encoder
     python benchmarks/localisation_probe.py --quick    # 512 frames, 800 steps: under a minute
