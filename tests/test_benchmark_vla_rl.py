@@ -152,7 +152,8 @@ def test_arms_without_their_control_are_warned_of(tmp_path: Path):
         assert done.returncode == 2 and "--demos: 'human'" in done.stderr
         return done.stderr
 
-    assert "none of the controls sft_continued, sft_continued_rwr: the JSON will have no best_rl_margin_over_control" in stderr("nft")
+    assert "none of the controls sft_continued, sft_continued_rwr, sft_long: the JSON will have no best_rl_margin_over_control" in stderr("nft")
+    assert "warning" not in stderr("sft_long,nft")  # a fresh SFT at equal steps is a control too
     assert "best_hil_margin_over_hg_dagger" in stderr("sft_continued,habc_hil_ir")
     assert "warning" not in stderr("sft_continued,nft") and "warning" not in stderr("sft_continued,hg_dagger,habc_hil_ir")
     assert "warning" not in stderr("sft_continued")
