@@ -256,6 +256,6 @@ def test_methods_that_cannot_train_the_video_policy_are_refused_with_the_valid_o
     from kinema.common import load_config
     from kinema.train.config import TrainConfig
 
-    with pytest.raises(ValueError, match="does not train a 'video' policy; valid for it: none, sft_continued, habc, awr"):
+    with pytest.raises(ValueError, match="does not train a 'video' policy; valid for it: habc, sft_continued, awr, none"):
         load_config(None, ["--policy.type", "video", "--rl.method", "flow_ppo"], config_class=TrainConfig)
     assert load_config(None, ["--policy.type", "video", "--rl.method", "awr"], config_class=TrainConfig).policy.type == "video"

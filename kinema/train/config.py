@@ -196,9 +196,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.rl.method not in METHODS:
             raise ValueError(f"rl.method {self.rl.method!r} is not known; valid: {', '.join(METHODS)}")
-        # A policy type may train with some methods only (the video policy has no separate action expert for PPO/NFT).
-        supported = getattr(self.policy.config_class(), "SUPPORTED_METHODS", None)
-        if supported is not None and self.rl.method not in supported:
+        if self.policy.type not in METHODS[self.rl.method].policy_types:  # each method says which policy types it trains
+            supported = [name for name, method in METHODS.items() if self.policy.type in method.policy_types]
             raise ValueError(f"rl.method {self.rl.method!r} does not train a {self.policy.type!r} policy; valid for it: {', '.join(supported)}")
         METHODS[self.rl.method].check_config(self)
         if self.rl.replay_mixing not in REPLAY_MIXING:

@@ -104,10 +104,6 @@ class VideoPolicyConfig:
 
         return cls(**config_fields(cls, data, policy_type="video", name="video policy", format_version=FORMAT_VERSION))
 
-    # The trainer's methods that train it: the imitation-style ones, whose per-sample flow loss covers its whole
-    # sequence (Flow-SDE PPO and NFT reach into the VLA's separate action expert).
-    SUPPORTED_METHODS = ("none", "sft_continued", "habc", "awr")
-
     ARCHITECTURE_FIELDS = (
         "generator_path", "video_size", "pixel_scale_spatial", "num_layers", "num_attention_heads", "attention_head_dim",
         "ffn_dim", "text_dim", "max_text_tokens", "lora_rank", "lora_alpha", "cameras", "image_size", "state_dim",

@@ -97,6 +97,9 @@ class RLMethod:
     rolls_out: ClassVar[bool] = True  # False: its rounds train on the demonstrations alone
     acts_with_average: ClassVar[bool] = True  # False: acts with the very weights it updates (on-policy gradients)
     on_policy: ClassVar[bool] = False  # True: learns from the newest round only
+    # The policy types (policies.POLICY_TYPES) it can train: the video policy has no separate action expert, which
+    # PPO's, NFT's and the critic-guided methods' updates act on.
+    policy_types: ClassVar[tuple[str, ...]] = ("vla",)
 
     def __init__(self, learner: Learner) -> None:
         self.learner = learner
