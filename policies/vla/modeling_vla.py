@@ -49,73 +49,66 @@ from policies.vla.smolvlm import BACKBONE_FILE, SmolVLMPrefix, check_backbone_re
 from policies.vla.text import HashTokenizer, TextEncoder
 
 
-class FiLMConvEncoder(nn.Module):
-    """One camera: a stride-4 patchify conv, then convs, each modulated by the instruction (FiLM)."""
+class FiLMConvStack(nn.Module):
+    """One camera's convs, each followed by GroupNorm and modulated by the instruction (FiLM, starting as the
+    identity), over RGB plus two coordinate channels; `layers`: (kernel, stride, padding) of each conv. The encoders
+    below differ in their layers and in how they pool the last feature map."""
 
-    def __init__(self, config: VLAConfig) -> None:
+    def __init__(self, config: VLAConfig, layers: list[tuple[int, int, int]]) -> None:
         super().__init__()
         chans = config.vision_channels
-        layers, films = [], []
-        in_ch = 5  # RGB + two coordinate channels: positions stay explicit after pooling-free flattening
-        for i, out_ch in enumerate(chans):
-            kernel, stride = (4, 4) if i == 0 else (3, 2 if i == 1 else 1)
-            layers.append(nn.Conv2d(in_ch, out_ch, kernel, stride, padding=0 if i == 0 else 1))
+        convs, films = [], []
+        in_ch = 5  # RGB + two coordinate channels: positions stay explicit whatever the pooling
+        for out_ch, (kernel, stride, padding) in zip(chans, layers):
+            convs.append(nn.Conv2d(in_ch, out_ch, kernel, stride, padding=padding))
             films.append(nn.Linear(config.text_dim, 2 * out_ch))
             in_ch = out_ch
-        self.convs = nn.ModuleList(layers)
-        self.norms = nn.ModuleList(nn.GroupNorm(8, c) for c in chans)
-        self.films = nn.ModuleList(films)
-        for film in self.films:  # start as identity modulation
-            nn.init.zeros_(film.weight)
-            nn.init.zeros_(film.bias)
-        side = config.image_size // 8
-        self.project = nn.Sequential(nn.Flatten(), nn.Linear(chans[-1] * side * side, config.vision_dim), nn.GELU())
-        ys, xs = torch.meshgrid(torch.linspace(-1, 1, config.image_size), torch.linspace(-1, 1, config.image_size), indexing="ij")
-        self.register_buffer("coords", torch.stack([xs, ys])[None], persistent=False)
-
-    def forward(self, image: Tensor, text: Tensor) -> Tensor:
-        x = torch.cat([image * 2 - 1, self.coords.expand(image.shape[0], -1, -1, -1)], dim=1)
-        for conv, norm, film in zip(self.convs, self.norms, self.films):
-            gamma, beta = film(text).chunk(2, dim=-1)
-            x = F.gelu(norm(conv(x)) * (1 + gamma[..., None, None]) + beta[..., None, None])
-        return self.project(x)
-
-
-class SpatialSoftmaxEncoder(nn.Module):
-    """One camera: overlapping 3x3 convs (the first two at stride 2, the rest at 1), each modulated by the instruction
-    (FiLM), then a spatial softmax (robomimic, Diffusion Policy) at image_size / 4: `keypoints` attention maps, each
-    reduced to its expected image coordinates. A stride-4 patchify puts a 3-pixel cube inside one patch before any
-    feature sees it; here it spans overlapping windows, and the softmax keeps *where* to below a cell."""
-
-    def __init__(self, config: VLAConfig) -> None:
-        super().__init__()
-        chans = config.vision_channels
-        layers, films = [], []
-        in_ch = 5  # RGB + two coordinate channels, as FiLMConvEncoder
-        for i, out_ch in enumerate(chans):
-            layers.append(nn.Conv2d(in_ch, out_ch, 3, 2 if i < 2 else 1, padding=1))
-            films.append(nn.Linear(config.text_dim, 2 * out_ch))
-            in_ch = out_ch
-        self.convs = nn.ModuleList(layers)
+        self.convs = nn.ModuleList(convs)
         self.norms = nn.ModuleList(nn.GroupNorm(min(8, c), c) for c in chans)
         self.films = nn.ModuleList(films)
         for film in self.films:  # start as identity modulation
             nn.init.zeros_(film.weight)
             nn.init.zeros_(film.bias)
-        self.keypoints = nn.Conv2d(chans[-1], config.keypoints, 1)
-        self.project = nn.Sequential(nn.Linear(2 * config.keypoints, config.vision_dim), nn.GELU())
-        side = config.image_size // 2 ** min(2, len(chans))
         ys, xs = torch.meshgrid(torch.linspace(-1, 1, config.image_size), torch.linspace(-1, 1, config.image_size), indexing="ij")
         self.register_buffer("coords", torch.stack([xs, ys])[None], persistent=False)
-        grid = torch.linspace(-1, 1, side)
-        self.register_buffer("grid", torch.stack(torch.meshgrid(grid, grid, indexing="xy"), -1).reshape(-1, 2), persistent=False)
 
-    def forward(self, image: Tensor, text: Tensor) -> Tensor:
+    def feature_map(self, image: Tensor, text: Tensor) -> Tensor:
         x = torch.cat([image * 2 - 1, self.coords.expand(image.shape[0], -1, -1, -1)], dim=1)
         for conv, norm, film in zip(self.convs, self.norms, self.films):
             gamma, beta = film(text).chunk(2, dim=-1)
             x = F.gelu(norm(conv(x)) * (1 + gamma[..., None, None]) + beta[..., None, None])
-        attention = self.keypoints(x).flatten(2).softmax(dim=-1)  # (B, K, side*side)
+        return x
+
+
+class FiLMConvEncoder(FiLMConvStack):
+    """One camera: a stride-4 patchify conv, then 3x3 convs (stride 2, then 1), the last map flattened and projected."""
+
+    def __init__(self, config: VLAConfig) -> None:
+        n = len(config.vision_channels)
+        super().__init__(config, [(4, 4, 0), *[(3, 2 if i == 1 else 1, 1) for i in range(1, n)]])
+        side = config.image_size // 8
+        self.project = nn.Sequential(nn.Flatten(), nn.Linear(config.vision_channels[-1] * side * side, config.vision_dim), nn.GELU())
+
+    def forward(self, image: Tensor, text: Tensor) -> Tensor:
+        return self.project(self.feature_map(image, text))
+
+
+class SpatialSoftmaxEncoder(FiLMConvStack):
+    """One camera: overlapping 3x3 convs (the first two at stride 2, the rest at 1), then a spatial softmax
+    (robomimic, Diffusion Policy) at image_size / 4: `keypoints` attention maps, each reduced to its expected image
+    coordinates. A stride-4 patchify puts a 3-pixel cube inside one patch before any feature sees it; here it spans
+    overlapping windows, and the softmax keeps *where* to below a cell."""
+
+    def __init__(self, config: VLAConfig) -> None:
+        n = len(config.vision_channels)
+        super().__init__(config, [(3, 2 if i < 2 else 1, 1) for i in range(n)])
+        self.keypoints = nn.Conv2d(config.vision_channels[-1], config.keypoints, 1)
+        self.project = nn.Sequential(nn.Linear(2 * config.keypoints, config.vision_dim), nn.GELU())
+        grid = torch.linspace(-1, 1, config.image_size // 2 ** min(2, n))
+        self.register_buffer("grid", torch.stack(torch.meshgrid(grid, grid, indexing="xy"), -1).reshape(-1, 2), persistent=False)
+
+    def forward(self, image: Tensor, text: Tensor) -> Tensor:
+        attention = self.keypoints(self.feature_map(image, text)).flatten(2).softmax(dim=-1)  # (B, K, side*side)
         return self.project((attention @ self.grid).flatten(1))  # expected (x, y) of each keypoint
 
 
