@@ -18,17 +18,16 @@ each one is written to DIR/dataset (LeRobotDataset v3) and DIR/mcap (ros2 MCAP) 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 DEFAULT_ROBOT = "sim_panda"
-COMMAND_MATCH_SETTLE_S = 0.25
 LOCAL_HELP = (
     "keep all ROS 2 traffic on this machine (default), with either backend: CycloneDDS on the loopback config, "
     "ROS_LOCALHOST_ONLY=1 and ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST for rclpy; --no-local uses the environment's "
@@ -88,6 +87,12 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
     simr.add_argument("--rate", type=float, default=100.0, help="/joint_states rate in Hz")
     simr.add_argument("--camera-rate", type=float, default=30.0, help="camera rate in Hz")
     simr.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until Ctrl-C)")
+    simr.add_argument(
+        "--person", action="store_true",
+        help="a simulated person beside the robot: it reads the scene's privileged state (published on the robot "
+        "config's topics.privileged) and takes over on the takeover and teleop topics before the policy fails, as "
+        "`kinema train --rl.interventions true`'s simulated human does in simulation (robot/sim_person.py)",
+    )
 
 
 def run_robot_command(args: argparse.Namespace) -> int:
@@ -118,15 +123,6 @@ def _emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def _sleep_until(predicate, timeout: float, step: float = 0.02) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
-
-
 def sim_robot(args: argparse.Namespace) -> int:
     from robot.config import load_robot_config
     from robot.sim_robot import SimRobotNode
@@ -136,10 +132,19 @@ def sim_robot(args: argparse.Namespace) -> int:
         raise ValueError(f"--rate and --camera-rate must be > 0 and --seed >= 0; got {args.rate}, {args.camera_rate}, {args.seed}")
     task_class(args.task)  # an unknown task lists the valid ones
     robot = load_robot_config(args.robot)
-    with _transport(args, "kinema_sim_robot") as transport:
-        node = SimRobotNode(transport, robot, args.task, seed=args.seed, state_hz=args.rate, camera_hz=args.camera_rate)
+    person = None
+    with contextlib.ExitStack() as stack:
+        transport = stack.enter_context(_transport(args, "kinema_sim_robot"))
+        privileged_hz = robot.rates.control_hz if args.person else 0.0  # the person looks once a control step
+        node = SimRobotNode(transport, robot, args.task, seed=args.seed, state_hz=args.rate, camera_hz=args.camera_rate,
+                            privileged_hz=privileged_hz)  # fmt: skip
+        if args.person:
+            from robot.sim_person import SimulatedPerson
+
+            # A node of its own: it sees the scene only through the privileged topic, and acts only through topics.
+            person = SimulatedPerson(stack.enter_context(_transport(args, "kinema_sim_person")), robot)
         node.start()
-        _emit({"event": "ready", "task": args.task, "seed": node.seed, "instruction": node.instruction})
+        _emit({"event": "ready", "task": args.task, "seed": node.seed, "instruction": node.instruction, "person": args.person})
         start = time.monotonic()
         try:
             while args.duration <= 0 or time.monotonic() - start < args.duration:
@@ -148,26 +153,19 @@ def sim_robot(args: argparse.Namespace) -> int:
             pass
         finally:
             node.close()
-        _emit({"event": "stopped", "seconds": round(time.monotonic() - start, 2), "counters": node.counters.snapshot()})
+            if person is not None:
+                person.close()
+        stopped = {"event": "stopped", "seconds": round(time.monotonic() - start, 2), "counters": node.counters.snapshot()}
+        if person is not None:
+            stopped["person"] = person.counters.snapshot()
+        _emit(stopped)
     return 0
-
-
-def _recorder(transport, robot, mapper, out_dir: str, instruction: str):
-    from robot.recorder import EpisodeRecorder, RecorderConfig
-
-    # The robot's own view (per-camera sizes; a step per streamed command, so no aliasing against the control loop).
-    # The recorded state and action are the policy's (EE pose; EE delta), so recordings train like sim data.
-    config = RecorderConfig.from_robot(
-        robot, instruction=instruction, state_names=list(mapper.STATE_NAMES), action_names=list(mapper.ACTION_NAMES)
-    )
-    return EpisodeRecorder(transport, config, out_dir, state_fn=mapper.state, action_fn=mapper.to_action)
 
 
 def deploy(args: argparse.Namespace) -> int:
     from kinema.robot_policies import load_policy
-    from robot import messages as msg
     from robot.config import load_robot_config
-    from robot.policy_node import PolicyNode
+    from robot.session import RobotSession
 
     if args.episodes < 1 or args.duration <= 0 or args.wait_robot < 0:
         raise ValueError(
@@ -183,76 +181,30 @@ def deploy(args: argparse.Namespace) -> int:
         print(f"acting: {description}", file=sys.stderr, flush=True)
     results: list[dict[str, Any]] = []
     with _transport(args, "kinema_policy") as transport:
-        node = PolicyNode(transport, robot, policy, instruction=args.instruction)
-        recorder = _recorder(transport, robot, node.mapper, args.record, args.instruction) if args.record else None
-        episode_pub = transport.publisher(robot.topics.episode, msg.String)
-        quit_requested = threading.Event()
+        session = RobotSession(transport, robot, policy, instruction=args.instruction, record=args.record, marks_by_person=args.keys)
         if args.keys:
             from robot.recorder import KeyControl
 
-            KeyControl(recorder, on_quit=quit_requested.set).start()
+            KeyControl(session.recorder, on_quit=session.quit.set).start()
             print("keys: space start/stop recording, s success, f failure, a abort, q quit", file=sys.stderr)
-        marks = recorder if recorder is not None and not args.keys else None  # who marks episodes: deploy or a person
         interrupted = False
         try:
-            if not _sleep_until(lambda: node.safety.has_state, args.wait_robot):
-                raise ValueError(
-                    f"no valid {robot.topics.joint_states} within {args.wait_robot} s (joints {robot.command_joint_names}): "
-                    "is the robot (e.g. `kinema sim-robot`) running on the same backend and ROS_DOMAIN_ID?"
-                )
-            own = 0 if recorder is None else 1  # the recorder listens to the commands too; it is not the controller
-            if not _sleep_until(lambda: node.command_subscriptions() > own, args.wait_robot):
-                raise ValueError(
-                    f"nothing subscribes to {node.command_topic} within {args.wait_robot} s: is the robot's "
-                    f"{robot.controller.type} controller loaded and configured?"
-                )
-            if not args.instruction:  # the robot side may name the task (the sim robot does, once a second)
-                _sleep_until(lambda: bool(node.instruction), 2.0)
-            # Each side matches the other on its own: the robot's reader may match this writer a little later, and
-            # drops what was sent before it did (benchmarks/RESULTS.md, "The first commands of an rclpy ...").
-            time.sleep(COMMAND_MATCH_SETTLE_S)
-            node.pause()
-            node.start()
-            if recorder is not None:
-                recorder.start()
+            session.wait_ready(args.wait_robot)
             for episode in range(args.episodes):
-                if quit_requested.is_set():
+                if session.quit.is_set():
                     break
-                if episode > 0:
-                    episode_pub.publish(msg.String(data="reset"))
-                    time.sleep(0.5)  # the robot resets and publishes its new state and instruction
-                if recorder is not None and recorder.recording:
-                    # The recorder starts an episode on "reset" itself; that one began while the scene was being
-                    # reset (its steps pair the old command with the new state), so drop it and start afresh.
-                    recorder.mark("abort")
-                node.start_episode()
-                if marks is not None:
-                    marks.mark("start")
-                start = time.monotonic()
-                _sleep_until(lambda: bool(node.success) or quit_requested.is_set(), args.duration)
-                node.pause()
-                success = node.success  # None: nobody said (no success topic on this robot)
-                if marks is not None:
-                    marks.mark("stop" if success is None else ("success" if success else "failure"))
-                result = {
-                    "event": "episode", "episode": episode, "success": success,
-                    "seconds": round(time.monotonic() - start, 2), "instruction": node.instruction,
-                    "taken_over": node.was_taken_over,
-                }
+                result = session.run_episode(duration=args.duration, reset=episode > 0, index=episode)
                 results.append(result)
                 _emit(result)
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            node.close()
-            if recorder is not None:
-                recorder.close()  # an episode still open is committed as incomplete
+            session.close()
         summary = {
             "event": "summary", "episodes": len(results), "successes": sum(bool(r["success"]) for r in results),
-            "interrupted": interrupted, "quit": quit_requested.is_set(), **node.status(),
+            "interrupted": interrupted, "quit": session.quit.is_set(), **session.node.status(),
         }
-        if recorder is not None:
-            summary["recorded"] = str(recorder.dataset_dir)
+        if session.recorder is not None:
+            summary["recorded"] = str(session.recorder.dataset_dir)
         _emit(summary)
     return 130 if interrupted else 0
-

@@ -117,20 +117,22 @@ def load_policy(spec: str, *, control_hz: float = 20.0, noise_scale: float | Non
     import torch
 
     from kinema.train.acting import load_acting
+    from policies.checkpoint import checkpoint_fingerprint
 
     # One thread: inference shares the CPU with the control loop and the transport (measured: more threads are
     # slower under contention).
     torch.set_num_threads(1)
-    return CheckpointPolicy(load_acting(path, noise_scale=noise_scale))
+    return CheckpointPolicy(load_acting(path, noise_scale=noise_scale), fingerprint=checkpoint_fingerprint(path))
 
 
 class CheckpointPolicy:
     """A checkpoint acting on the robot as its method defines (`kinema.train.acting.load_acting`: a dsrl checkpoint
     steered by its noise actor, a residual one with its correction, a video policy planning as it keeps), behind the
-    policy node's interface: `reset()`, `predict_action_chunk(batch) -> (B, chunk_size, action_dim)`, `config`."""
+    policy node's interface: `reset()`, `predict_action_chunk(batch) -> (B, chunk_size, action_dim)`, `config`;
+    `fingerprint` says which weights act (policies.checkpoint.checkpoint_fingerprint)."""
 
-    def __init__(self, loaded: Any) -> None:
-        self.policy, self.description = loaded.policy, loaded.default.description
+    def __init__(self, loaded: Any, *, fingerprint: str = "") -> None:
+        self.policy, self.description, self.fingerprint = loaded.policy, loaded.default.description, fingerprint
         self.config = self.policy.config
         if self.policy.scales_initial_noise:  # what the policy's own sampler draws at (select_action)
             self.config.inference_noise_scale = loaded.noise_scale

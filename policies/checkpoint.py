@@ -6,6 +6,7 @@ target by rename, so a crash mid-save leaves the previous checkpoint (or nothing
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -106,6 +107,15 @@ def save_checkpoint(
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
     return Path(directory)
+
+
+def checkpoint_fingerprint(directory: str | os.PathLike) -> str:
+    """The first 12 hex digits of the SHA-256 of a checkpoint's weights (model.safetensors): which weights act."""
+    digest = hashlib.sha256()
+    with open(Path(directory) / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:12]
 
 
 def load_checkpoint_config(directory: str | os.PathLike) -> dict[str, Any]:

@@ -103,6 +103,9 @@ class TopicsConfig:
     success: str = "/kinema/success"  # std_msgs/Bool: the episode's success signal (sim robot, or a human)
     episode: str = "/kinema/episode"  # std_msgs/String: episode control ("reset", "reset seed=N", ...)
     status: str = "/kinema/status"  # std_msgs/String: the policy node's JSON status, once a second
+    # std_msgs/String: a sim robot's privileged state (JSON: seed, sim time, MuJoCo integration state), for a simulated
+    # person (`kinema sim-robot --person`); a real robot has no such topic
+    privileged: str = "/kinema/sim/privileged"
 
 
 @dataclass

@@ -408,6 +408,30 @@ class PolicyNode:
                 self._episode_stamp = self._q_stamp
                 self.safety.forget_command()  # the robot may have been reset: step bounds start from the measured state
 
+    def swap_policy(self, policy: Any) -> None:
+        """Act with `policy` from now on, without stopping the node (a training round's new checkpoint). It must act
+        as the old one did (action space, chunk steps, cameras, state). Once this returns, no chunk of the old policy
+        is executed: the inference worker is idle while the policy changes, and every queued or in-flight chunk is
+        dropped (the next is planned by the new one from the current state)."""
+        config, old = getattr(policy, "config", None), getattr(self.policy, "config", None)
+        mismatched = [
+            name for name, new, was in (
+                ("action_space", getattr(policy, "action_space", "ee_delta"), self.action_space),
+                ("cameras", list(getattr(config, "cameras", ())), list(getattr(old, "cameras", ()))),
+                ("state_dim", getattr(config, "state_dim", None), getattr(old, "state_dim", None)),
+            ) if new != was
+        ]  # fmt: skip
+        if mismatched:
+            raise ValueError(f"the new policy does not act as the running one: its {', '.join(mismatched)} differ(s)")
+
+        def replace() -> None:
+            self.worker.policy = self.policy = policy
+
+        with self._tick_lock:
+            self.worker.while_idle(replace)
+            self._restart_chunk()
+            self.stats.add("policy_swaps")
+
     def _restart_chunk(self) -> None:
         """Drop the queued and in-flight chunks: the next one is planned from the current state."""
         self._generation += 1
@@ -630,6 +654,7 @@ class PolicyNode:
             "status": d.status.value if d else None,
             "reason": d.reason if d else "",
             "takeover": takeover,
+            "policy": getattr(self.policy, "fingerprint", ""),
             "inference_ms": None if self._latency_ema is None else round(self._latency_ema * 1e3, 2),
             "stats": self.stats.snapshot(),
             "rejected": rejected,

@@ -19,6 +19,7 @@ This is the only `robot/` module that imports `sim/`: the bridge itself runs on 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -48,7 +49,10 @@ class SimRobotNode:
         state_hz: float = 100.0,
         camera_hz: float = 30.0,
         task_config: dict[str, Any] | None = None,
+        privileged_hz: float = 0.0,
     ) -> None:
+        """`privileged_hz` > 0: also publish the simulator's privileged state on `topics.privileged` at that rate,
+        for a simulated person (robot/sim_person.py), as a real robot's operator sees the scene."""
         cams = robot.cameras
         sizes = {(c.height, c.width) for c in cams}
         if len(sizes) > 1:
@@ -78,6 +82,8 @@ class SimRobotNode:
         self.dt = self.model.opt.timestep
         self.substeps = max(1, int(round(1.0 / (state_hz * self.dt))))
         self.camera_every = max(1, int(round(1.0 / (camera_hz * self.substeps * self.dt))))
+        self.privileged_every = max(1, int(round(1.0 / (privileged_hz * self.substeps * self.dt)))) if privileged_hz > 0 else 0
+        self.task_config = dict(task_config or {})
         self.seed = seed
         # Updated by the physics thread and the transport's: thread-safe. Rejections count as rejected_<reason>.
         self.counters = Counters()
@@ -99,6 +105,7 @@ class SimRobotNode:
         self._state_pub = transport.publisher(t.joint_states, msg.JointState)
         self._success_pub = transport.publisher(t.success, msg.Bool)
         self._instruction_pub = transport.publisher(t.instruction, msg.String, QOS_LATCHED)
+        self._privileged_pub = transport.publisher(t.privileged, msg.String) if self.privileged_every else None
         self._cam_pubs = [
             (c, transport.publisher(c.topic, msg.Image if c.format == "raw" else msg.CompressedImage, QOS_SENSOR)) for c in cams
         ]
@@ -209,6 +216,8 @@ class SimRobotNode:
         self.success = success
         if n % self.camera_every == 0:
             self.publish_images()
+        if self._privileged_pub is not None and n % self.privileged_every == 0:
+            self.publish_privileged()
 
     def publish_state(self) -> None:
         header = msg.Header(stamp=msg.Time.from_sec(self.sim_time), frame_id="")
@@ -218,6 +227,15 @@ class SimRobotNode:
                 velocity=self.data.qvel[self._dof_idx], effort=self.data.actuator_force[self._act_idx],
             )
         )
+
+    def publish_privileged(self) -> None:
+        """The whole physics state and the episode's seed: a copy of the task made at that seed and set to it is
+        this scene (what a simulated person reads progress and plans corrections from)."""
+        state = self.env.get_state()
+        self._privileged_pub.publish(msg.String(data=json.dumps({
+            "task": self.task_name, "task_config": self.task_config, "seed": self.seed, "sim_time": round(self.sim_time, 4),
+            "success": self.success, "state": state.tolist(),
+        })))  # fmt: skip
 
     def render(self, camera: str) -> np.ndarray:
         if self._renderer is None:

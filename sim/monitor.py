@@ -141,7 +141,7 @@ class SimulatedHuman(gym.Wrapper):
             )
             self.labels.append(Segment.IDLE if idle else Segment.PROGRESS)
             executed_by = ExecutedBy.POLICY
-            if self._watch(info["progress"], t) and not (terminated or truncated):
+            if self.watch(info["progress"], t) and not (terminated or truncated):
                 if self.config.rewind == "teleport" and self.best_state is not None:
                     # The rewind happens now, so the next observation is the rewound state the human acts from.
                     env.set_state(self.best_state)
@@ -149,13 +149,13 @@ class SimulatedHuman(gym.Wrapper):
         else:
             executed_by = ExecutedBy.HUMAN
             if self.mode == "recovery":
-                executed, label = self._recover(env), Segment.RECOVERY
+                executed, label = self.recovery_action(env), Segment.RECOVERY
             else:
                 executed, label = self.expert(), Segment.HUMAN
             obs, reward, terminated, truncated, info = self.env.step(executed)
             self.labels.append(label)
             self.human_steps += 1
-            handback = self._advance_human(info["progress"])
+            handback = self.advance_human(info["progress"])
         info["action"] = np.asarray(executed, np.float32)
         info["handback"] = handback
         info["executed_by"] = executed_by
@@ -164,8 +164,8 @@ class SimulatedHuman(gym.Wrapper):
             info["segment_labels"] = np.asarray(self.labels, np.int8)
         return obs, reward, terminated, truncated, info
 
-    # ----- the monitor ---------------------------------------------------------------------------------------------
-    def _watch(self, progress: float, t: int) -> bool:
+    # ----- the monitor (public: the simulated person over ROS 2, robot/sim_person.py, drives the same one) -----------
+    def watch(self, progress: float, t: int) -> bool:
         """Track the best progress so far; take over (and return True) when it stalls or drops."""
         cfg = self.config
         env: TabletopEnv = self.env.unwrapped
@@ -175,11 +175,11 @@ class SimulatedHuman(gym.Wrapper):
         stalled = t - self.last_gain_step >= cfg.stall_steps
         dropped = progress < self.best_progress - cfg.drop
         if (stalled or dropped) and self.takeovers < cfg.max_takeovers:
-            self._take_over(t)
+            self.take_over(t)
             return True
         return False
 
-    def _take_over(self, t: int) -> None:
+    def take_over(self, t: int) -> None:
         cfg = self.config
         env: TabletopEnv = self.env.unwrapped
         self.takeovers += 1
@@ -199,14 +199,14 @@ class SimulatedHuman(gym.Wrapper):
         final = self.takeovers >= cfg.max_takeovers
         self.handback_progress = 1.01 if final else env.progress() + cfg.correction_gain
 
-    def _recover(self, env: TabletopEnv) -> np.ndarray:
+    def recovery_action(self, env: TabletopEnv) -> np.ndarray:
         holding = self.expert.holding()
         action = self.expert.move(self.recovery_target, env.ee_yaw(), 1.0 if holding else -1.0, speed=0.6)
         if np.linalg.norm(env.ee_pos() - self.recovery_target) < 0.02 or self.human_steps >= 15:
             self.mode = "correction"
         return action.astype(np.float32)
 
-    def _advance_human(self, progress: float) -> bool:
+    def advance_human(self, progress: float) -> bool:
         """Hand control back once the correction has made its progress; True on the hand-back step."""
         cfg = self.config
         finishing = self.handback_progress > 1.0

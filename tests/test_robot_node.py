@@ -548,7 +548,7 @@ def test_deploy_refuses_a_robot_whose_controller_does_not_listen(capsys, monkeyp
 def test_deploy_records_with_the_robots_own_recorder_config(tmp_path):
     """`deploy --record`: RecorderConfig.from_robot (per-camera sizes, a step per streamed command) and the mapper's
     EE state/action names; cameras of different sizes each keep their own."""
-    from kinema.robot_commands import _recorder
+    from robot.session import episode_recorder
     from robot.config import CameraConfig
     from robot.recorder import RecorderConfig
 
@@ -556,7 +556,7 @@ def test_deploy_records_with_the_robots_own_recorder_config(tmp_path):
                                     CameraConfig("wrist", "/cam/w", width=32, height=32)])
     mapper = ActionMapper(robot)
     with InprocTransport(InprocBus()) as tr:
-        recorder = _recorder(tr, robot, mapper, str(tmp_path), "open the drawer")
+        recorder = episode_recorder(tr, robot, mapper, str(tmp_path), "open the drawer")
         try:
             cfg = recorder.config
             assert [(c.name, c.size) for c in cfg.cameras] == [("agentview", (48, 64)), ("wrist", (32, 32))]
