@@ -836,3 +836,50 @@ def test_deploy_keys_mark_the_recorded_episode_and_q_quits(tmp_path, monkeypatch
 
     (episode,) = read_episodes(tmp_path / "dataset")  # one episode, the one the keys marked
     assert episode.outcome is True and episode.complete and 5 <= len(episode) <= 30
+
+
+class SwappedInPolicy(ScriptedJointPolicy):
+    """Joint-space chunks moving joint1 to 0.2 + 0.001 * k: nothing the ScriptedJointPolicy of these tests sends."""
+
+    fingerprint = "swapped-in"
+
+    def predict_action_chunk(self, batch):
+        chunk = super().predict_action_chunk(batch)
+        chunk[0, :, 0] = 0.2 + 0.001 * np.arange(8)
+        return chunk
+
+
+def test_a_swapped_in_policy_acts_from_its_first_chunk_and_no_chunk_of_the_old_one_runs_after():
+    gate = threading.Event()
+    gate.set()
+    old = ScriptedJointPolicy(gate)
+    node, fake, clock, _ = make(old)
+    try:
+        for _ in range(4):  # chunk 0 (planned at tick 0) runs at ticks 1-3
+            step(node, fake, clock)
+            wait_result(node)
+        gate.clear()
+        step(node, fake, clock)  # tick 4 asks the old policy for chunk 1, which is held mid-prediction
+        assert old.started.wait(5)
+        swapped = threading.Event()
+        swapping = threading.Thread(target=lambda: (node.swap_policy(SwappedInPolicy()), swapped.set()))
+        swapping.start()
+        assert not swapped.wait(0.2)  # the swap waits for the running prediction
+        gate.set()
+        assert swapped.wait(5)
+        swapping.join()
+        joint1 = []
+        for _ in range(10):
+            d = step(node, fake, clock)
+            if d.status in (SafetyStatus.OK, SafetyStatus.CLIPPED):
+                joint1.append(round(d.command[0], 4))
+            wait_result(node)
+        assert joint1 and all(0.2 <= j < 0.21 for j in joint1), joint1  # the old chunk 1 (0.11-0.14) never ran
+        assert node.stats["discarded_chunks"] == 1 and node.stats["policy_swaps"] == 1
+        assert node.status()["policy"] == "swapped-in"
+        ee_policy = ConstantPolicy(np.zeros(7))  # acts in end-effector deltas, not joints
+        with pytest.raises(ValueError, match="action_space"):
+            node.swap_policy(ee_policy)
+    finally:
+        gate.set()
+        node.close()

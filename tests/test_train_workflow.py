@@ -369,6 +369,18 @@ def test_unknown_replay_mixing_is_refused_with_the_valid_ones():
         load_config(None, ["--rl.replay_mixing", "sometimes"])
 
 
+def test_rounds_on_a_robot_take_only_methods_that_learn_from_recordings_and_the_robot_shorthand_names_its_config():
+    from kinema.train.methods import METHODS
+
+    learners = [name for name, m in METHODS.items() if m.learns_from_recordings]
+    assert {"habc", "hg_dagger", "sft_continued"} <= set(learners) and "dsrl" not in learners and "flow_ppo_grpo" not in learners
+    with pytest.raises(ValueError, match=f"rl.method 'dsrl' cannot train on a robot's recorded episodes .* valid with a robot: {', '.join(learners)}"):
+        load_config(None, ["--robot.config", "sim_panda", "--rl.method", "dsrl"])
+    with pytest.raises(ValueError, match="robot.episode_seconds must be > 0"):
+        load_config(None, ["--robot.config", "sim_panda", "--robot.episode_seconds", "0"])
+    assert load_config(None, ["--robot.config", "sim_panda"]).robot.config == "sim_panda"
+
+
 def train_two_rounds_with_a_resume(run: Path, args: list[str]) -> list[dict]:
     """`kinema train` for one round, resumed for a second; the two round records."""
     first = kinema("train", *TINY, *args, "--rl.rounds", "1", "--out", str(run))

@@ -15,6 +15,7 @@ from kinema.train.config import TrainConfig
 def train_command(args: argparse.Namespace, overrides: list[str]) -> int:
     from kinema.train.workflow import train
 
+    overrides = [("--robot.config" + arg[len("--robot"):]) if arg == "--robot" or arg.startswith("--robot=") else arg for arg in overrides]
     train(load_run_config(args.config, overrides, args.resume, config_class=TrainConfig), resume=bool(args.resume))
     return 0
 

@@ -113,6 +113,19 @@ class RayOptions:
 
 
 @dataclass
+class RobotLoopOptions:
+    """`kinema train --robot ROBOT`: the rounds' episodes run on a ROS 2 robot (kinema/train/robot_rounds.py)."""
+
+    config: str = ""  # a robot config, YAML path or shipped name (as `kinema deploy --robot`); empty: rounds in simulation
+    backend: str = "auto"  # auto: rclpy where ROS 2 is installed, else dds (as `kinema deploy --backend`)
+    local: bool = True  # keep the ROS 2 traffic on this machine (as `kinema deploy --local`); false for a robot on the network
+    episode_seconds: float = 30.0  # an episode ends at the success topic's True, or after this long (a failure)
+    wait_robot: float = 20.0  # seconds to wait for the robot's joint states, then as long for its controller
+    instruction: str = ""  # the task in words when the robot does not publish it on its instruction topic
+    sim_eval: bool = True  # also evaluate in the simulated task (SFT, each round, final); false: a robot with no sim twin
+
+
+@dataclass
 class PolicyOptions:
     type: str = "vla"  # a registered policy type (policies.POLICY_TYPES)
     image_size: int = 64
@@ -155,6 +168,7 @@ class TrainConfig:
     # What the run's demos, SFT and checkpoints were made with: `--resume` refuses overrides of these.
     RESUME_FIXED: ClassVar[tuple[str, ...]] = (
         "task", "task_config", "seed", "dataset", "init_policy", "policy", "demos", "sft", "rl.method", "rl.interventions",
+        "robot.config",
     )  # fmt: skip
 
     task: str = "drawer"  # the task family (kinema sim list); drawer is the quickest to learn on a CPU
@@ -174,6 +188,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     rollout: RolloutOptions = field(default_factory=RolloutOptions)
     ray: RayOptions = field(default_factory=RayOptions)
+    robot: RobotLoopOptions = field(default_factory=RobotLoopOptions)
 
     # Keys an older kinema wrote, and where they live now: an old run's config.yaml still loads and resumes.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {
@@ -225,6 +240,16 @@ class TrainConfig:
         ):  # fmt: skip
             if value < 1:
                 raise ValueError(f"{name} must be >= 1; got {value}")
+        if self.robot.config:
+            method = METHODS[self.rl.method]
+            if not method.learns_from_recordings:
+                learners = [name for name, m in METHODS.items() if m.learns_from_recordings]
+                raise ValueError(f"robot.config: rl.method {self.rl.method!r} cannot train on a robot's recorded episodes "
+                                 f"(it needs its own rollout records or actor); valid with a robot: {', '.join(learners)}")
+            if self.rollout.backend != "local":
+                raise ValueError(f"robot.config: the rounds' episodes come from the robot; rollout.backend {self.rollout.backend!r} has no part")
+            if self.robot.episode_seconds <= 0 or self.robot.wait_robot < 0:
+                raise ValueError(f"robot.episode_seconds must be > 0 and robot.wait_robot >= 0; got {self.robot.episode_seconds}, {self.robot.wait_robot}")
         if self.rollout.backend not in ROLLOUT_BACKENDS:
             raise ValueError(f"rollout.backend {self.rollout.backend!r} is not known; valid: {', '.join(ROLLOUT_BACKENDS)}")
         if self.rollout.ray_workers < 0 or self.rollout.gpus_per_worker < 0 or self.ray.num_cpus < 0:

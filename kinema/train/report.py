@@ -285,7 +285,13 @@ def write_report(cfg: Any, records: list[dict[str, Any]], root: Path) -> Path:
         rl_text = "no RL (rl.method none: SFT only)"
     else:
         rl_text = (f"RL {len(rounds)} of {cfg.rl.rounds} rounds × {cfg.rl.episodes_per_round} rollouts × "
-                   f"{cfg.rl.updates_per_round} updates" + ("; simulated human in the loop" if cfg.rl.interventions else ""))
+                   f"{cfg.rl.updates_per_round} updates" + ("; simulated human in the loop" if cfg.rl.interventions and not cfg.robot.config else ""))
+        if cfg.robot.config:
+            taken = sum(r.get("robot/episodes_taken_over", 0) for r in rounds)
+            seconds = sum(r.get("robot/seconds", 0.0) for r in rounds)
+            rl_text += (f"; the rollouts ran on the robot `{cfg.robot.config}` through the ROS 2 policy node "
+                        f"({taken} of {len(rounds) * cfg.rl.episodes_per_round} episodes taken over by a person, "
+                        f"{seconds / 60:.1f} minutes on the robot; recorded in `robot/`)")
     evaluated = {split for r in evals for split in SPLITS if f"{split}/success" in r}
     lines = [
         f"# kinema train: {cfg.task}, method `{cfg.rl.method}`, seed {cfg.seed}",

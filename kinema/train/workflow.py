@@ -46,6 +46,7 @@ from kinema.train.evaluate import SPLIT_NAMES, ChunkPolicy, EvalResult, evaluate
 from kinema.train.methods import METHODS, Learner, RLMethod
 from kinema.train.progress import RunPace, RunProgress, planned_work, round_line, start_panel, summary_table
 from kinema.train.report import record_video_grid, write_before_after, write_curves, write_diagnostics, write_report
+from kinema.train.robot_rounds import RobotRounds
 from kinema.train.success import RolloutSuccessModel
 from policies import load_policy, make_policy
 from policies.checkpoint import METHOD_FILE, load_checkpoint_config, set_aside, write_text_atomic
@@ -284,7 +285,7 @@ def _train(
     else:
         start_round = 1
         sft(learner, sft_steps, aux_weight=cfg.sft.aux_weight if aux_dim else 0.0, progress=progress, console=console)
-        if cfg.eval.baseline and distributed.is_main():
+        if cfg.eval.baseline and cfg.robot.sim_eval and distributed.is_main():
             results = evaluate_all(acting, cfg, cfg.eval.episodes, splits=final_splits(cfg), progress=progress, label="SFT baseline")
             run.log(_eval_record("sft", results, 0, 0))
             _print_eval(console, "SFT", results)
@@ -303,39 +304,51 @@ def _train(
         for r in range(max(1, start_round - method.replay_rounds()), start_round)
         if (run.root / "rollouts" / f"round-{r:03d}" / "meta" / "info.json").exists()
     ]
+    # With a robot, the rounds' episodes run on it through one policy node, each round's checkpoint swapped in.
+    robot = RobotRounds(cfg, run.root, console) if cfg.robot.config and start_round <= rounds else None
     try:
+        if robot is not None:
+            robot.start(run.root / state["latest_checkpoint"])
         for r in range(start_round, rounds + 1):
             record: dict[str, Any] = {"kind": "round", "round": r, "method": method.name}
-            rollouts = method.roll_out(r, record, progress)
+            rollouts = robot.roll_out(method, r, record, progress) if robot is not None else method.roll_out(r, record, progress)
             method.update(rollouts, record, progress)
             learner.actor_step += cfg.rl.updates_per_round
             run.log(record)
             if not distributed.is_main():  # evaluation, checkpoints and the report are rank 0's
                 continue
-            results = evaluate_all(learner.acting, cfg, cfg.eval.round_episodes, splits=["train"], progress=progress, label=f"round {r}: evaluation", runner=method.eval_runner)
+            results = {}
+            if cfg.robot.sim_eval:
+                results = evaluate_all(learner.acting, cfg, cfg.eval.round_episodes, splits=["train"], progress=progress, label=f"round {r}: evaluation", runner=method.eval_runner)
             # The estimate of the time left, kept so that its honesty can be checked against when the run ended.
             run.log({**_eval_record("round", results, learner.env_steps, r), "run/seconds_left_estimate": round(progress.pace.seconds_left(), 1)})
             console.print(round_line(r, rounds, record, results, run.records()[-1].get("cpu_s")))
             state = {"round": r, "env_steps": learner.env_steps, "actor_step": learner.actor_step, "latest_checkpoint": f"checkpoints/round-{r:03d}"}
-            save_trainer_checkpoint(run, f"round-{r:03d}", learner, method, state)
+            path = save_trainer_checkpoint(run, f"round-{r:03d}", learner, method, state)
             run.save_state(state)
+            if robot is not None and r < rounds:
+                console.print(f"round {r}: the robot now acts with {path} ({robot.swap(path)})")
     except KeyboardInterrupt:
         if not distributed.is_main():
             raise
         path = save_trainer_checkpoint(run, "interrupted", learner, method, state)
         console.print(f"[yellow]interrupted: the policy so far is in {path}; continue with `kinema train --resume {run.root}`")
         raise
+    finally:
+        if robot is not None:
+            robot.close()  # the node stops commanding; the recorder commits what it has
 
     # 5. Final evaluation and report ------------------------------------------------------------------------------------
     if not distributed.is_main():
         return run.root
     if rounds and not state.get("final_done"):
-        results = evaluate_all(learner.acting, cfg, cfg.eval.episodes, splits=final_splits(cfg), progress=progress, label="final evaluation", runner=method.eval_runner)
-        run.log(_eval_record("final", results, learner.env_steps, rounds))
-        _print_eval(console, f"after RL ({method.name})", results)
-        for extra in method.final_evaluations(learner.acting, progress):
-            run.log({**extra, "env_steps": learner.env_steps, "round": rounds})
-        record_video_grid(learner.acting, cfg, run.root / "videos", "after", runner=method.eval_runner(learner.acting))
+        if cfg.robot.sim_eval:
+            results = evaluate_all(learner.acting, cfg, cfg.eval.episodes, splits=final_splits(cfg), progress=progress, label="final evaluation", runner=method.eval_runner)
+            run.log(_eval_record("final", results, learner.env_steps, rounds))
+            _print_eval(console, f"after RL ({method.name})", results)
+            for extra in method.final_evaluations(learner.acting, progress):
+                run.log({**extra, "env_steps": learner.env_steps, "round": rounds})
+            record_video_grid(learner.acting, cfg, run.root / "videos", "after", runner=method.eval_runner(learner.acting))
         learner.acting.save_pretrained(str(run.root / "checkpoints" / "final"), extra_files={METHOD_FILE: method_file(method)})
         state["final_done"] = True
         run.save_state(state)

@@ -41,6 +41,7 @@ class AWR(RLMethod):
     policy_types = ("vla", "video")  # imitation-style: its flow loss covers the video policy's whole sequence
     options_key = "awr"
     options_class = AWROptions
+    learns_from_recordings = True
 
     def __init__(self, learner) -> None:
         super().__init__(learner)

@@ -97,6 +97,9 @@ class RLMethod:
     rolls_out: ClassVar[bool] = True  # False: its rounds train on the demonstrations alone
     acts_with_average: ClassVar[bool] = True  # False: acts with the very weights it updates (on-policy gradients)
     on_policy: ClassVar[bool] = False  # True: learns from the newest round only
+    # True: its update needs only what a robot records of an episode (observations, actions, who acted, success), so
+    # `kinema train --robot` can run its rounds on a robot; False: it needs its runner's chunk records or an actor of its own.
+    learns_from_recordings: ClassVar[bool] = False
     # The policy types (policies.POLICY_TYPES) it can train: the video policy has no separate action expert, which
     # PPO's, NFT's and the critic-guided methods' updates act on.
     policy_types: ClassVar[tuple[str, ...]] = ("vla",)
@@ -146,7 +149,7 @@ class RLMethod:
         learner.replay = (learner.replay + [new])[-self.replay_rounds() :]
         episodes = [ep for round_eps in learner.replay for ep in round_eps]
         record["replay/episodes"] = len(episodes)
-        buffer = StepBuffer.from_episodes(episodes, CAMERAS)
+        buffer = StepBuffer.from_episodes(episodes, CAMERAS, image_size=learner.policy.config.image_size)  # robot cameras may differ
         features = split_per_episode(policy_features(learner.acting, buffer), buffer)
         if cfg.rl.success_model:  # RLER: calibration on the fresh rollouts, then a refit
             record.update(learner.success_model.score_and_refit(new, features[-len(new) :], target=cfg.rl.success_target))

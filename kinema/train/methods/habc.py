@@ -53,6 +53,7 @@ class HABC(RLMethod):
     policy_types = ("vla", "video")  # imitation-style: its flow loss covers the video policy's whole sequence
     options_key = "habc"
     options_class = HABCOptions
+    learns_from_recordings = True
 
     def __init__(self, learner) -> None:
         super().__init__(learner)

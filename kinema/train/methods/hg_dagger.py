@@ -56,6 +56,7 @@ class HGDAgger(RLMethod):
     summary = "HG-DAgger, the human-in-the-loop control: imitate the demos plus every round's human takeovers, weight 1"
     options_key = "hg_dagger"
     options_class = HGDAggerOptions
+    learns_from_recordings = True
 
     def __init__(self, learner) -> None:
         super().__init__(learner)

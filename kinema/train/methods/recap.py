@@ -90,6 +90,7 @@ class Recap(RLMethod):
     summary = "Recap (π*0.6): imitate everything, conditioned on whether each step was an improvement by a value of the steps left"
     options_key = "recap"
     options_class = RecapOptions
+    learns_from_recordings = True
 
     def __init__(self, learner) -> None:
         super().__init__(learner)

@@ -11,6 +11,7 @@ class ContinuedSFT(RLMethod):
     summary = "the control: continued SFT on the demonstrations, on the RL arms' schedule"
     policy_types = ("vla", "video")  # imitation-style: its flow loss covers the video policy's whole sequence
     rolls_out = False
+    learns_from_recordings = True
 
     def roll_out(self, round_index, record, progress):
         return None
