@@ -196,6 +196,10 @@ def deploy(args: argparse.Namespace) -> int:
                 result = session.run_episode(duration=args.duration, reset=episode > 0, index=episode)
                 results.append(result)
                 _emit(result)
+                if result["estopped"]:
+                    print("e-stop latched: no further episode starts (release the robot's e-stop, then start deploy again)",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    break
         except KeyboardInterrupt:
             interrupted = True
         finally:

@@ -348,6 +348,17 @@ class PolicyNode:
                 self.safety.estop(True, f"{self.robot.topics.estop} = true")
             log.error("e-stop engaged: holding until reset")
 
+    @property
+    def estopped(self) -> bool:
+        with self._lock:
+            return self.safety.estopped
+
+    def release_estop(self) -> None:
+        """Release the latched e-stop: a person has released the robot's own and said so (never from a topic)."""
+        with self._lock:
+            self.safety.reset_estop()
+        log.warning("e-stop released by the operator")
+
     def _on_success(self, m: msg.Bool) -> None:
         with self._lock:
             self.success = bool(m.data)

@@ -9,7 +9,8 @@ same node.
 
 An episode: "reset" on the episode topic when asked (the sim robot resets its scene to the next seed; on a real arm
 an operator or a reset routine does), the node restarts the policy from the current state, and the episode ends when
-the success topic says so or after `duration` seconds (a failure if it said False, unlabelled if it said nothing).
+the success topic says so or after `duration` seconds (a failure if it said False, unlabelled if it said nothing), or
+at once as a failure when the e-stop latches (the node holds until `node.release_estop()`).
 """
 
 from __future__ import annotations
@@ -95,14 +96,15 @@ class RobotSession:
         if self._marks is not None:
             self._marks.mark("start")
         start = time.monotonic()
-        sleep_until(lambda: bool(node.success) or self.quit.is_set(), duration)
+        sleep_until(lambda: bool(node.success) or self.quit.is_set() or node.estopped, duration)
         node.pause()
-        success = node.success  # None: nobody said (no success topic on this robot)
+        estopped = node.estopped
+        success = False if estopped else node.success  # None: nobody said (no success topic on this robot)
         if self._marks is not None:
             self._marks.mark("stop" if success is None else ("success" if success else "failure"))
         return {
             "event": "episode", "episode": index, "success": success, "seconds": round(time.monotonic() - start, 2),
-            "instruction": node.instruction, "taken_over": node.was_taken_over,
+            "instruction": node.instruction, "taken_over": node.was_taken_over, "estopped": estopped,
         }  # fmt: skip
 
     def close(self) -> None:

@@ -85,3 +85,35 @@ def test_rounds_on_the_robot_survive_a_kill_swap_each_rounds_checkpoint_and_keep
     assert person["takeovers"] >= 1 and any((robot[i].executed_by == ExecutedBy.HUMAN).any() for i in complete["round-1"] + complete["round-2"])
     assert (run / "checkpoints" / "final" / "model.safetensors").exists()
     assert "on the robot `sim_panda`" in (run / "report.md").read_text()
+
+
+def test_an_estop_mid_episode_ends_it_as_a_recorded_failure_and_holds_until_released(tmp_path):
+    import threading
+
+    from robot import messages as msg
+    from robot.config import load_robot_config
+    from robot.policy_node import ConstantPolicy
+    from robot.session import RobotSession
+    from robot.sim_robot import SimRobotNode
+    from robot.transport.inproc import InprocBus, InprocTransport
+
+    robot, bus = load_robot_config("sim_panda"), InprocBus()
+    sim = SimRobotNode(InprocTransport(bus), robot, "drawer").start()
+    estop = InprocTransport(bus).publisher(robot.topics.estop, msg.Bool)
+    try:
+        with RobotSession(InprocTransport(bus), robot, ConstantPolicy(np.zeros(7)), record=str(tmp_path / "rec")) as session:
+            session.wait_ready(10)
+            press = threading.Timer(1.0, lambda: estop.publish(msg.Bool(data=True)))
+            press.start()
+            result = session.run_episode(duration=30, reset=False)
+            press.join()
+            assert result["estopped"] is True and result["success"] is False and result["seconds"] < 10, result
+            estop.publish(msg.Bool(data=False))  # a message does not release it: a person does
+            assert session.node.estopped
+            session.node.release_estop()
+            assert not session.node.estopped
+            session.recorder.flush(30)
+        (episode,) = list(LeRobotDatasetReader(tmp_path / "rec" / "dataset"))
+        assert episode.complete and not episode.outcome and len(episode) > 5
+    finally:
+        sim.close()

@@ -378,6 +378,8 @@ def test_rounds_on_a_robot_take_only_methods_that_learn_from_recordings_and_the_
         load_config(None, ["--robot.config", "sim_panda", "--rl.method", "dsrl"])
     with pytest.raises(ValueError, match="robot.episode_seconds must be > 0"):
         load_config(None, ["--robot.config", "sim_panda", "--robot.episode_seconds", "0"])
+    with pytest.raises(ValueError, match="robot.reset 'auto' is not known; valid: topic, operator"):
+        load_config(None, ["--robot.config", "sim_panda", "--robot.reset", "auto"])
     assert load_config(None, ["--robot.config", "sim_panda"]).robot.config == "sim_panda"
 
 

@@ -122,6 +122,9 @@ class RobotLoopOptions:
     episode_seconds: float = 30.0  # an episode ends at the success topic's True, or after this long (a failure)
     wait_robot: float = 20.0  # seconds to wait for the robot's joint states, then as long for its controller
     instruction: str = ""  # the task in words when the robot does not publish it on its instruction topic
+    # Before each episode "reset" goes out on the episode topic; topic: that resets the scene (the sim robot, a reset
+    # routine) | operator: a person resets it and presses Enter in this terminal
+    reset: str = "topic"
     sim_eval: bool = True  # also evaluate in the simulated task (SFT, each round, final); false: a robot with no sim twin
 
 
@@ -248,6 +251,8 @@ class TrainConfig:
                                  f"(it needs its own rollout records or actor); valid with a robot: {', '.join(learners)}")
             if self.rollout.backend != "local":
                 raise ValueError(f"robot.config: the rounds' episodes come from the robot; rollout.backend {self.rollout.backend!r} has no part")
+            if self.robot.reset not in ("topic", "operator"):
+                raise ValueError(f"robot.reset {self.robot.reset!r} is not known; valid: topic, operator")
             if self.robot.episode_seconds <= 0 or self.robot.wait_robot < 0:
                 raise ValueError(f"robot.episode_seconds must be > 0 and robot.wait_robot >= 0; got {self.robot.episode_seconds}, {self.robot.wait_robot}")
         if self.rollout.backend not in ROLLOUT_BACKENDS:

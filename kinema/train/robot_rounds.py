@@ -8,6 +8,8 @@ person's takeovers on the takeover topic, every episode recorded with its takeov
 the method's update on what was recorded, then the round's checkpoint swapped into the running node (no restart).
 Every episode is on disk before an update reads it; a run killed at any moment loses at most the episode in progress
 (committed as incomplete, and not trained on), and `--resume` continues the same round with the episodes it lacks.
+An e-stop mid-episode ends that episode as a failure; the round waits for the operator to release it (Enter).
+`robot.reset operator`: before each episode a person resets the scene and presses Enter.
 
 Only methods that learn from what a robot records can train this way (`RLMethod.learns_from_recordings`): they need
 no log-probabilities of the executed chunks and no actor of their own.
@@ -16,6 +18,7 @@ no log-probabilities of the executed chunks and no actor of their own.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -81,7 +84,12 @@ class RobotRounds:
             while done < wanted:
                 if session.quit.is_set():
                     raise KeyboardInterrupt
+                if self.options.reset == "operator":
+                    self.operator(f"round {round_index}, episode {done + 1} of {wanted}: reset the scene, then press Enter")
                 result = session.run_episode(duration=self.options.episode_seconds, reset=True, index=done)
+                if result["estopped"]:  # the episode ended as a failure; nothing moves until a person releases it
+                    self.operator("e-stop: the episode ended as a failure; release the robot's e-stop, then press Enter")
+                    session.node.release_estop()
                 session.recorder.flush(timeout=120)
                 now = len(self.recorded(round_index))
                 if now > done:  # an episode the recorder could not keep (no step sampled) is run again
@@ -92,6 +100,13 @@ class RobotRounds:
         record["robot/seconds"] = round(time.monotonic() - started, 1)
         record["robot/episodes_taken_over"] = sum(takeovers)
         return method.digest(round_index, episodes, record)
+
+    def operator(self, prompt: str) -> None:
+        """Wait for the person at the robot: a line on this process's standard input."""
+        self.console.print(f"[bold]{prompt}[/bold]")
+        if not sys.stdin.readline():
+            raise RuntimeError(f"waiting for the operator ({prompt}), but standard input is closed: run kinema train in a "
+                               "terminal, or use robot.reset topic")  # fmt: skip
 
     def _read(self, round_index: int) -> list[Episode]:
         reader = LeRobotDatasetReader(self.dataset)
