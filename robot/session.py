@@ -82,8 +82,11 @@ class RobotSession:
         if self.recorder is not None:
             self.recorder.start()
 
-    def run_episode(self, *, duration: float, reset: bool, index: int = 0) -> dict[str, Any]:
-        """One episode, recorded; its result as `kinema deploy` prints it."""
+    def run_episode(
+        self, *, duration: float, reset: bool, index: int = 0, judge: Callable[[], bool | None] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One episode, recorded; its result as `kinema deploy` prints it. `judge`: asked for the outcome when the
+        success topic said nothing (a person's mark; None: unlabelled)."""
         node, recorder = self.node, self.recorder
         if reset:
             self._episode_pub.publish(msg.String(data="reset"))
@@ -100,6 +103,8 @@ class RobotSession:
         node.pause()
         estopped = node.estopped
         success = False if estopped else node.success  # None: nobody said (no success topic on this robot)
+        if success is None and judge is not None:
+            success = judge()
         if self._marks is not None:
             self._marks.mark("stop" if success is None else ("success" if success else "failure"))
         return {

@@ -139,6 +139,8 @@ def round_line(r: int, rounds: int, record: dict[str, Any], results: dict[str, A
         parts.append(f"rollouts {record['rollout/success']:.0%} (n={record.get('rollout/episodes', '?')})")
     if record.get("rollout/takeover_rate"):
         parts.append(f"takeovers {record['rollout/takeover_rate']:.2f}/rollout")
+    if "robot/seconds" in record:  # the rollouts ran on a robot (kinema train --robot)
+        parts.append(f"{record['robot/seconds']:.0f} s on the robot")
     if "train" in results:
         res = results["train"]
         parts.append(f"evaluation {res.success:.0%} ± {res.success_se:.0%} (n={res.episodes})")

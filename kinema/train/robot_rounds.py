@@ -9,7 +9,8 @@ the method's update on what was recorded, then the round's checkpoint swapped in
 Every episode is on disk before an update reads it; a run killed at any moment loses at most the episode in progress
 (committed as incomplete, and not trained on), and `--resume` continues the same round with the episodes it lacks.
 An e-stop mid-episode ends that episode as a failure; the round waits for the operator to release it (Enter).
-`robot.reset operator`: before each episode a person resets the scene and presses Enter.
+`robot.reset operator`: before each episode a person resets the scene and presses Enter. Success comes from the
+robot's success topic, or, where it says nothing, from the operator's y/n.
 
 Only methods that learn from what a robot records can train this way (`RLMethod.learns_from_recordings`): they need
 no log-probabilities of the executed chunks and no actor of their own.
@@ -86,7 +87,7 @@ class RobotRounds:
                     raise KeyboardInterrupt
                 if self.options.reset == "operator":
                     self.operator(f"round {round_index}, episode {done + 1} of {wanted}: reset the scene, then press Enter")
-                result = session.run_episode(duration=self.options.episode_seconds, reset=True, index=done)
+                result = session.run_episode(duration=self.options.episode_seconds, reset=True, index=done, judge=self.outcome)
                 if result["estopped"]:  # the episode ended as a failure; nothing moves until a person releases it
                     self.operator("e-stop: the episode ended as a failure; release the robot's e-stop, then press Enter")
                     session.node.release_estop()
@@ -107,6 +108,17 @@ class RobotRounds:
         if not sys.stdin.readline():
             raise RuntimeError(f"waiting for the operator ({prompt}), but standard input is closed: run kinema train in a "
                                "terminal, or use robot.reset topic")  # fmt: skip
+
+    def outcome(self) -> bool:
+        """The operator's mark of an episode the robot's success topic said nothing about."""
+        while True:
+            self.console.print("[bold]the robot did not say: did the episode succeed? [y/n][/bold]")
+            answer = sys.stdin.readline()
+            if not answer:
+                raise RuntimeError("the robot has no success topic and standard input is closed: nobody can mark the "
+                                   "episode (run kinema train in a terminal, or give the robot config a success topic)")  # fmt: skip
+            if answer.strip().lower() in ("y", "n"):
+                return answer.strip().lower() == "y"
 
     def _read(self, round_index: int) -> list[Episode]:
         reader = LeRobotDatasetReader(self.dataset)
