@@ -285,7 +285,7 @@ def run_method(method: str, base_dir: Path, args: argparse.Namespace, reward: Po
 
 
 def _method_override(spec: str, method: str) -> list[str]:
-    """`--set awr:train.options.awr_temperature=0.5` -> that override for method awr only (`*:` for all)."""
+    """`--set awr:train.awr.temperature=0.5` -> that override for method awr only (`*:` for all)."""
     who, _, kv = spec.partition(":")
     key, sep, value = kv.partition("=")
     if not sep or not key:
@@ -336,7 +336,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=None, help="train.updates_per_round of every method (default: config)")
     parser.add_argument("--eval-every", type=int, default=None, help="evaluate every this many rounds")
     parser.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE",
-                        help="a config override for one method (* for all), e.g. awr:train.options.awr_temperature=0.5")
+                        help="a config override for one method (* for all), e.g. awr:train.awr.temperature=0.5")
     parser.add_argument("--size", type=int, default=None, help="frame height and width (multiple of 16)")
     parser.add_argument("--frames", type=int, default=None, help="frames per clip (4k + 1)")
     parser.add_argument("--pretrain-steps", type=int, default=None)

@@ -10,15 +10,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import draccus
+import torch
 import yaml
 from draccus.utils import DecodingError
 from rich.console import Console
@@ -131,6 +133,37 @@ class FollowerRun(Run):
 
     def close(self) -> None:
         pass
+
+
+def start_run(
+    cfg: Any, *, resume: bool, console: Console, step_key: str, split_checks: Callable[[int], None] | None = None,
+) -> tuple[Run, dict[str, Any], Console]:  # fmt: skip
+    """How both trainers (`kinema train`, `kinema video train`) start: under torchrun one learner per rank
+    (`split_checks(world size)` refuses batches that do not split over the ranks), rank 0 speaking for the run;
+    torch's threads and seed; the run folder, which rank 0 alone makes and checks (a fresh start refuses a folder
+    that holds a run, `--resume` one that holds none, and drops the metrics records its last checkpoint does not
+    cover) and writes config.yaml to. Returns (the run, the state every rank resumes from, this rank's console)."""
+    from kinema.train import distributed
+
+    if distributed.init_from_env():
+        rank, size = distributed.world()
+        if split_checks is not None:
+            split_checks(size)
+        if rank:
+            console = Console(file=io.StringIO())  # rank 0 speaks for the run
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    if distributed.is_main():
+        run = Run(cfg.run_dir(), console, tensorboard=cfg.tensorboard, step_key=step_key)
+        if not resume and run.state():
+            raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
+        state = run.resume() if resume else {}
+        if resume and not state:
+            raise FileNotFoundError(f"nothing to resume in {run.root}: no {STATE_FILE} (start it without --resume)")
+        write_text_atomic(run.root / "config.yaml", dump_config(cfg))
+    else:
+        run, state = FollowerRun(cfg.run_dir(), console), {}
+    return run, distributed.broadcast_object(state), console  # the others wait here while rank 0 checks the folder
 
 
 COLLECTED_WITH = "collected_with.json"  # beside a run's collected episodes: what collected them

@@ -77,11 +77,11 @@ def test_every_methods_config_loads_with_the_benchmarks_reward_by_name():
     import argparse
 
     args = argparse.Namespace(seed=0, frames=5, size=16, steps=4, lr=1e-3, eval_samples=4, group=None, updates=None,
-                              ref_weight=None, set=["awr:train.options.awr_shared_noise=false"])  # fmt: skip
+                              ref_weight=None, set=["awr:train.awr.shared_noise=false"])  # fmt: skip
     for method in video_rl.METHODS:
         cfg = video_rl.method_config(method, args)
         assert cfg.train.method == method and cfg.rewards.names == ["position"]
-        assert cfg.train.options.awr_shared_noise == (method != "awr")  # the default elsewhere
+        assert cfg.train.awr.shared_noise == (method != "awr")  # the default elsewhere
 
 
 def test_the_held_out_judge_learns_the_squares_position_from_other_clips_and_ignores_a_tint():

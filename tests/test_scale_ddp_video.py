@@ -30,7 +30,7 @@ torch.set_num_threads(1)
 # Flow-GRPO with every SDE step in each update (2 of 3: the last is left out) and the whole round in the minibatch:
 # its loss is then a function of the round alone, not of the ranks' own random draws. A small grad_clip, so that
 # clipping acts (it must read the norm of the ranks' mean gradient).
-ARGS = [*TINY, "--train.method", "flow_grpo", "--train.options.grpo_steps_per_update", "2", "--train.updates_per_round", "1",
+ARGS = [*TINY, "--train.method", "flow_grpo", "--train.flow_grpo.steps_per_update", "2", "--train.updates_per_round", "1",
         "--train.grad_clip", "0.002"]  # fmt: skip
 
 

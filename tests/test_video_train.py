@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import video_method_regression
+from method_regression import same
 from test_board import scalars
 
 from diffusion_rl.flow import sde_step_with_logprob
@@ -69,7 +71,7 @@ def test_every_method_changes_only_the_lora_weights(method: str):
 
 
 def test_distill_fake_score_takes_dmd_fake_updates_steps_per_student_update():
-    trainer, gen, _ = make_trainer("distill", "--train.options.dmd_fake_updates", "3")
+    trainer, gen, _ = make_trainer("distill", "--train.distill.dmd_fake_updates", "3")
     fake_before = gen.adapter_state_dict("fake")
     record = trainer.train_round()  # two student updates
     steps = {int(s["step"]) for s in trainer.method.fake_opt.state_dict()["state"].values()}
@@ -77,8 +79,8 @@ def test_distill_fake_score_takes_dmd_fake_updates_steps_per_student_update():
     assert np.isfinite(record["distill/fake_loss"])
     fake = gen.adapter_state_dict("fake")
     assert any(not torch.equal(fake[k], fake_before[k]) for k in fake)
-    with pytest.raises(ValueError, match="dmd_fake_updates"):
-        load_video_config(None, ["--train.options.dmd_fake_updates", "0"])
+    with pytest.raises(ValueError, match="train.distill.dmd_fake_updates must be >= 1; got 0"):
+        load_video_config(None, ["--train.method", "distill", "--train.distill.dmd_fake_updates", "0"])
 
 
 def test_cfg_free_sampling_after_awr_goes_through_the_pipeline():
@@ -135,7 +137,7 @@ def test_checkpoint_of_another_method_is_refused(tmp_path: Path):
 
 
 def test_flow_grpo_ratio_is_one_before_the_first_update():
-    trainer, gen, cfg = make_trainer("flow_grpo", "--train.options.grpo_steps_per_update", "2")
+    trainer, gen, cfg = make_trainer("flow_grpo", "--train.flow_grpo.steps_per_update", "2")
     ro = trainer.collect()
     ex = ro.extra
 
@@ -146,7 +148,7 @@ def test_flow_grpo_ratio_is_one_before_the_first_update():
                 t, t_next = ex["sched"][j].expand(len(ro.prompts)), ex["sched"][j + 1].expand(len(ro.prompts))
                 v = gen.velocity(ex["states"][j], t, ro.embeds, adapter=TRAINED)
                 step = sde_step_with_logprob(
-                    v, ex["states"][j], t, t_next, noise_level=cfg.train.options.grpo_noise_level, prev_sample=ex["nexts"][j]
+                    v, ex["states"][j], t, t_next, noise_level=cfg.train.flow_grpo.noise_level, prev_sample=ex["nexts"][j]
                 )  # fmt: skip
                 out.append((step.log_prob - ex["log_probs"][j]).exp())
         return torch.stack(out)
@@ -193,6 +195,24 @@ def test_unknown_method_reward_or_shape_is_explained(tmp_path: Path):
     with pytest.raises(ValueError, match="data.camera 'frontview' is not a camera the sim records; valid: agentview, wrist"):
         load_video_config(None, ["--data.camera", "frontview"])
     assert load_video_config(None, ["--data.camera", "wrist"]).data.camera == "wrist"
+
+
+def test_options_of_an_older_run_load_into_each_methods_group_and_old_names_on_the_command_line_say_the_new_one(tmp_path: Path):
+    """Before each method had its own group (train.awr, train.opsd, ...), options were flat in train.options: an old
+    run's config.yaml still loads, an option several methods read reaching each of them."""
+    old = tmp_path / "config.yaml"
+    old.write_text("train:\n  method: opsd\n  options:\n    opsd_teacher: privileged_prompt\n    teacher_guidance: 2.5\n"
+                   "    tilt_beta: 0.5\n    awr_temperature: 0.25\n    grpo_clip: 0.001\n    adv_clip_max: 3.0\n")
+    cfg = load_video_config(str(old))
+    assert cfg.train.opsd.teacher == "privileged_prompt" and cfg.train.opsd.tilt_beta == 0.5
+    assert cfg.train.opsd.teacher_guidance == cfg.train.afd.teacher_guidance == cfg.train.distill.teacher_guidance == 2.5
+    assert cfg.train.awr.temperature == 0.25 and cfg.train.flow_grpo.clip == 0.001
+    assert cfg.train.nft.adv_clip_max == cfg.train.afd.adv_clip_max == cfg.train.flow_grpo.adv_clip_max == 3.0
+    assert not hasattr(cfg.train, "options")
+    with pytest.raises(ValueError, match="'train.options.awr_temperature' is now 'train.awr.temperature'"):
+        load_video_config(None, ["--train.options.awr_temperature", "0.3"])
+    with pytest.raises(ValueError, match="train.opsd.teacher 'oracle' is not known; valid: cfg, privileged_prompt, model"):
+        load_video_config(None, ["--train.method", "opsd", "--train.opsd.teacher", "oracle"])
 
 
 def kinema_video(*args: str) -> subprocess.CompletedProcess:
@@ -298,7 +318,7 @@ def test_afd_teacher_model_uses_its_own_encoder_latents_and_adapters():
 
 
 def test_opsd_teacher_model_must_share_the_latent_shape():
-    opsd = ["--train.method", "opsd", "--train.options.opsd_teacher", "model", "--train.options.teacher_path", "x"]
+    opsd = ["--train.method", "opsd", "--train.opsd.teacher", "model", "--train.opsd.teacher_path", "x"]
     cfg = load_video_config(None, [*TINY, *opsd])
     gen = VideoGenerator.from_preset("tiny", seed=0, num_frames=5, height=16, width=16)
     other = _teacher("tiny-vae", num_frames=5, height=32, width=32)
@@ -345,7 +365,7 @@ def test_afd_moves_the_student_toward_the_teacher_videos():
     def brightness_after(level: float) -> tuple[float, float]:
         torch.manual_seed(0)  # peft draws the LoRA A matrices from the global generator
         clips = {p: torch.full((1, 5, 3, 16, 16), level) for p in PROMPTS[:2]}
-        trainer, _, _ = make_trainer("afd", "--train.lr", "3e-3", "--train.options.disc_lr", "1e-3", teacher_clips=clips)
+        trainer, _, _ = make_trainer("afd", "--train.lr", "3e-3", "--train.afd.disc_lr", "1e-3", teacher_clips=clips)
         trainer.prompts = PROMPTS[:2]
         before = float(trainer.sample(PROMPTS[:2] * 2, seed=3).mean())
         for _ in range(8):
@@ -411,7 +431,7 @@ def test_awr_evaluates_a_separate_ema_of_the_trained_adapter():
     _, videos = trainer.evaluate()
     assert torch.equal(videos, ema) and (raw - ema).abs().max() > 0
     assert torch.equal(trainer.sample(prompts, seed=cfg.eval.seed), raw)  # the trained weights are back
-    off, _, _ = make_trainer("awr", "--train.options.awr_eval_ema", "0")
+    off, _, _ = make_trainer("awr", "--train.awr.eval_ema", "0")
     assert off.eval_ema is None
 
 
@@ -569,3 +589,52 @@ def test_ctrl_c_during_pretraining_says_so_and_the_same_command_reuses_what_was_
     assert (run / "sim_videos" / "meta" / "info.json").stat().st_mtime_ns == sim_mtime  # read back, not re-collected
     state = json.loads((run / "state.json").read_text())
     assert state["round"] == 1 and state["final_done"] and calls == [5]
+
+
+@pytest.mark.parametrize("name", list(video_method_regression.RUNS))
+def test_each_method_reproduces_its_recorded_rounds(name: str):
+    """Two tiny rounds per method, as recorded before the methods moved into kinema/video/methods/ (one file each):
+    tight on the machine kind that recorded them, loose on another (kernels sum in another order)."""
+    recorded, path, tol = video_method_regression.reference()
+    got, expected = video_method_regression.run_method(name), recorded[name]
+    assert sorted(got["numbers"]) == sorted(expected["numbers"])
+    differ = {k: (got["numbers"][k], v) for k, v in expected["numbers"].items() if not same(got["numbers"][k], v, **tol)}
+    assert not differ, f"{differ} (got, recorded in {path.name} at {tol})"
+    assert got["adapters"].keys() == expected["adapters"].keys()
+    for key in [*got["adapters"], "method_state"]:
+        a = got["adapters"][key] if key != "method_state" else got[key]
+        b = expected["adapters"][key] if key != "method_state" else expected[key]
+        assert same(a, b, **tol), (key, a, b)
+
+
+def test_a_method_added_as_the_docs_show_is_listed_configured_and_trained(tmp_path: Path):
+    """docs/video.md's example method, as written there: one file, plus the registry entry (made here at run time)."""
+    docs = (Path(__file__).parents[1] / "docs" / "video.md").read_text()
+    section = docs[docs.index("## Adding a post-training method") :]
+    code = section[section.index("```python\n") + len("```python\n") : section.index("```\n", section.index("```python"))]
+    (tmp_path / "rwr.py").write_text(code)
+    script = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from kinema.video import methods\n"
+        "from rwr import RewardWeightedRegression\n"
+        "methods.VIDEO_METHODS[RewardWeightedRegression.name] = RewardWeightedRegression\n"
+        "if sys.argv[1] == 'help':\n"
+        "    from kinema.cli import main\n"
+        "    sys.exit(main(['video', 'train', '--help']))\n"
+        "import torch\n"
+        "from test_video_train import make_trainer\n"
+        "torch.set_num_threads(1)\n"
+        "trainer, gen, cfg = make_trainer('rwr', '--train.rwr.temperature', '0.5')\n"
+        "before = {k: v.clone() for k, v in gen.adapter_state_dict('default').items()}\n"
+        "record = trainer.train_round()\n"
+        "moved = sum(not torch.equal(v, before[k]) for k, v in gen.adapter_state_dict('default').items())\n"
+        "print(json.dumps({'temperature': cfg.train.rwr.temperature, 'moved': moved, 'tensors': len(before), **record}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, "train"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["temperature"] == 0.5 and out["method"] == "rwr" and out["moved"] == out["tensors"] > 0
+    assert np.isfinite(out["train/loss"]) and out["rwr/weight_max"] > 0
+    helped = subprocess.run([sys.executable, "-c", script, "help"], capture_output=True, text=True, timeout=120)
+    assert "rwr: flow matching on the round's samples" in helped.stdout and "train.rwr.temperature=1.0" in helped.stdout

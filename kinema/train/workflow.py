@@ -28,13 +28,11 @@ from diffusion_rl.credit import idle_steps, return_weights
 from diffusion_rl.data import Episode
 from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.common import (
-    STATE_FILE,
-    FollowerRun,
     Run,
-    dump_config,
     interrupt_note,
     progress_bar,
     read_collected,
+    start_run,
     warn_if_other_task,
     write_collected,
 )
@@ -49,7 +47,7 @@ from kinema.train.report import record_video_grid, write_before_after, write_cur
 from kinema.train.robot_rounds import RobotRounds
 from kinema.train.success import RolloutSuccessModel
 from policies import load_policy, make_policy
-from policies.checkpoint import METHOD_FILE, load_checkpoint_config, set_aside, write_text_atomic
+from policies.checkpoint import METHOD_FILE, load_checkpoint_config, set_aside
 from sim.env import CAMERAS
 from sim.experts import ExpertConfig
 from sim.rollout import collect_demos
@@ -131,16 +129,10 @@ def _eval_record(stage: str, results: dict[str, EvalResult], env_steps: int, rou
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = None) -> Path:
-    console = console or Console(stderr=True)
-    if distributed.init_from_env():  # under torchrun: one data-parallel learner per rank
-        rank, size = distributed.world()
+    def split_checks(ranks: int) -> None:  # under torchrun: one data-parallel learner per rank
         for name, value in (("sft.batch_size", cfg.sft.batch_size), ("rl.batch_size", cfg.rl.batch_size)):
             distributed.local_batch_size(value, name)
-        if rank:
-            console = Console(file=io.StringIO())  # rank 0 speaks for the run
-    torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
+
     method_class = METHODS[cfg.rl.method]
     check_task(cfg.task)
     if not cfg.dataset and not has_expert(cfg.task):
@@ -149,21 +141,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
                          "folder, or an imported one)")
 
     # 1. Run folder ------------------------------------------------------------------------------------------------
-    if distributed.is_main():
-        run = Run(cfg.run_dir(), console, tensorboard=cfg.tensorboard, step_key="env_steps")
-    else:
-        distributed.barrier()  # after rank 0 has checked the folder and made it
-        run = FollowerRun(cfg.run_dir(), console)
-    state = run.resume() if resume else {}  # drops metrics records the last checkpoint does not cover
-    if resume and not state:
-        raise FileNotFoundError(f"nothing to resume in {run.root}: no {STATE_FILE} (start it without --resume)")
-    if not resume and run.state():
-        raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
+    run, state, console = start_run(cfg, resume=resume, console=console or Console(stderr=True), step_key="env_steps",
+                                    split_checks=split_checks)  # fmt: skip
+    rng = np.random.default_rng(cfg.seed)
     # Checked before the demos are collected; a resumed run loads its own checkpoint instead.
     init_changes = _check_init_policy(cfg, console) if cfg.init_policy and not state.get("latest_checkpoint") else {}
-    if distributed.is_main():
-        write_text_atomic(run.root / "config.yaml", dump_config(cfg))
-        distributed.barrier()
     cameras = CAMERAS
     latest = state.get("latest_checkpoint")
     start_round = state["round"] + 1 if latest else 1

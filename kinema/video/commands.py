@@ -16,6 +16,7 @@ def add_video_commands(sub: argparse._SubParsersAction) -> None:
     """Register `kinema video` and its subcommands on the top-level parser's subparsers."""
     from kinema.common import DefaultsHelpFormatter
     from kinema.video.config import config_keys_help
+    from kinema.video.methods import VIDEO_METHODS
 
     video = sub.add_parser("video", help="post-train video generators: VideoAWR, NFT, distillation, AFD, OPSD, Flow-GRPO")
     video_sub = video.add_subparsers(dest="video_command", metavar="COMMAND", required=True)
@@ -27,7 +28,8 @@ def add_video_commands(sub: argparse._SubParsersAction) -> None:
         "toward task success (about 10 minutes on 2 CPU cores). The post-trained generator ends up in RUN_DIR/final, "
         "a diffusers folder (see `kinema video export --help`). Any config key can be overridden as --key.sub value "
         "(e.g. --train.method nft --train.rounds 4).",
-        epilog=config_keys_help(),
+        epilog="Post-training methods (--train.method):\n"
+        + "".join(f"  {name}: {cls.summary}\n" for name, cls in VIDEO_METHODS.items()) + "\n" + config_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", default=None, help="YAML config: a path, or a shipped name (video_awr, ...); default: the embedded config")

@@ -9,17 +9,17 @@ unknown method or reward names the valid ones.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar
 from pathlib import Path
+from typing import Any, ClassVar
 
 from kinema import common
+from kinema.video.methods import VIDEO_METHODS
 
-METHODS = ("awr", "nft", "distill", "afd", "opsd", "flow_grpo")
+METHODS = tuple(VIDEO_METHODS)
 BALANCING = ("gdpo", "weighted_sum")
-OPSD_TEACHERS = ("cfg", "privileged_prompt", "model")
 REF_SCHEDULES = ("constant", "flowawr")
-TILT_REWARDS = ("advantage", "balanced")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -95,32 +95,9 @@ class AnchorConfig:
 
 
 @dataclass
-class MethodOptions:
-    awr_temperature: float = 0.5  # τ of the VideoAWR energies softmax(A/τ) (FlowAWR's faithful τ is 1; 0.5 is ours)
-    awr_rollout_guidance: float = 1.5  # CFG scale of the reference's rollouts (the anchor stays unguided)
-    awr_t_low: float = 0.5  # decoupled per-sample timesteps from [t_low, 1] of the model's 20-step schedule (high noise)
-    awr_shared_noise: bool = True  # a prompt group's samples share their training t and noise (ours; FlowAWR: False)
-    awr_eval_ema: float = 0.9  # FlowAWR evaluates a separate EMA of the trained weights with this decay (0: the raw adapter)
-    nft_beta: float = 1.0  # DiffusionNFT's β
-    adv_clip_max: float = 5.0
-    tilt_beta: float = 1.0  # Stream-R1's exp(β·r) rollout weights (distill, OPSD)
-    # r of the tilt: balanced (Stream-R1: mean − ½·std of the round's z-scored rewards) | advantage (ours: GDPO's)
-    tilt_reward: str = "balanced"
-    saliency: bool = True  # Stream-R1's reward-gradient saliency weights (needs differentiable rewards)
-    dmd_fake_updates: int = 1  # fake-score updates per student update (DMD2's two time-scale rule uses 5)
-    teacher_guidance: float = 1.5  # CFG scale of the teacher (distill's real score, AFD's teacher, OPSD's cfg teacher)
-    teacher_path: str = ""  # another model as teacher (AFD, OPSD teacher=model); "" = the reference itself
-    teacher_videos: str = ""  # AFD: a folder of teacher MP4s, each with a sibling .txt holding its prompt
-    disc_lr: float = 1e-4  # AFD discriminator learning rate (0 invites reward hacking; too high stops learning)
-    opsd_teacher: str = "cfg"  # cfg (guided reference) | privileged_prompt | model (teacher_path)
-    privileged_context: str = "the task succeeds"  # text the privileged-prompt teacher sees after the prompt
-    grpo_clip: float = 1e-4  # Flow-GRPO clip range on mean-reduced log-prob ratios
-    grpo_noise_level: float = 0.7  # Flow-SDE noise level a (σ_t = a·sqrt(t/(1 − t)))
-    grpo_steps_per_update: int = 2  # SDE steps (of num_inference_steps) trained per update
+class PostTrainRounds:
+    """What every method's rounds share; each method's own options follow as groups (see `PostTrainConfig`)."""
 
-
-@dataclass
-class PostTrainConfig:
     method: str = "awr"  # awr | nft | distill | afd | opsd | flow_grpo
     rounds: int = 60  # rollout -> reward -> update rounds
     prompts_per_round: int = 4  # distinct prompts per round
@@ -129,7 +106,15 @@ class PostTrainConfig:
     batch_size: int = 8
     lr: float = 1e-3  # LoRA learning rate: at 3e-4 the tiny model barely moved within a CPU budget
     grad_clip: float = 1.0
-    options: MethodOptions = field(default_factory=MethodOptions)
+
+
+# The options group of every registered method that has options: train.awr, train.nft, train.distill, ...
+PostTrainConfig = dataclasses.make_dataclass(
+    "PostTrainConfig",
+    [(m.name, m.options_class, field(default_factory=m.options_class)) for m in VIDEO_METHODS.values() if m.options_class],
+    bases=(PostTrainRounds,),
+)
+PostTrainConfig.__module__ = __name__
 
 
 @dataclass
@@ -163,6 +148,35 @@ class VideoTrainConfig:
     train: PostTrainConfig = field(default_factory=PostTrainConfig)
     eval: VideoEvalConfig = field(default_factory=VideoEvalConfig)
 
+    # Before each method had its own group, its options were flat in train.options with method prefixes; an old
+    # run's config.yaml still loads and resumes. Options several methods shared go to each of them (`migrate`).
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        **{f"train.options.awr_{k}": f"train.awr.{k}" for k in ("temperature", "rollout_guidance", "t_low", "shared_noise", "eval_ema")},
+        "train.options.nft_beta": "train.nft.beta", "train.options.adv_clip_max": "train.nft.adv_clip_max",
+        "train.options.tilt_beta": "train.distill.tilt_beta", "train.options.tilt_reward": "train.distill.tilt_reward",
+        "train.options.saliency": "train.distill.saliency", "train.options.dmd_fake_updates": "train.distill.dmd_fake_updates",
+        "train.options.teacher_guidance": "train.distill.teacher_guidance", "train.options.teacher_path": "train.afd.teacher_path",
+        "train.options.teacher_videos": "train.afd.teacher_videos", "train.options.disc_lr": "train.afd.disc_lr",
+        "train.options.opsd_teacher": "train.opsd.teacher", "train.options.privileged_context": "train.opsd.privileged_context",
+        "train.options.grpo_clip": "train.flow_grpo.clip", "train.options.grpo_noise_level": "train.flow_grpo.noise_level",
+        "train.options.grpo_steps_per_update": "train.flow_grpo.steps_per_update",
+    }  # fmt: skip
+    SHARED_OLD_OPTIONS: ClassVar[dict[str, tuple[str, ...]]] = {  # new key (as renamed) -> the other groups that read it
+        "nft.adv_clip_max": ("afd", "flow_grpo"), "nft.beta": ("afd",), "distill.tilt_beta": ("opsd",),
+        "distill.tilt_reward": ("opsd",), "distill.teacher_guidance": ("afd", "opsd"), "afd.teacher_path": ("opsd",),
+    }  # fmt: skip
+
+    @classmethod
+    def migrate(cls, data: dict[str, Any], old_names: list[str]) -> None:
+        train = data.get("train", {})
+        if isinstance(train.get("options"), dict) and not train["options"]:
+            del train["options"]  # every old key moved out of it
+        for key, groups in cls.SHARED_OLD_OPTIONS.items():
+            group, leaf = key.split(".")
+            if leaf in train.get(group, {}):
+                for other in groups:
+                    train.setdefault(other, {}).setdefault(leaf, train[group][leaf])
+
     def __post_init__(self) -> None:
         if self.train.method not in METHODS:
             raise ValueError(f"train.method {self.train.method!r} is not known; valid: {', '.join(METHODS)}")
@@ -189,21 +203,13 @@ class VideoTrainConfig:
                 f"rewards.weights has {len(self.rewards.weights)} entries for {len(self.rewards.names)} rewards "
                 f"({', '.join(self.rewards.names)}); give one weight per reward, or none"
             )
-        if self.train.options.opsd_teacher not in OPSD_TEACHERS:
-            raise ValueError(
-                f"train.options.opsd_teacher {self.train.options.opsd_teacher!r} is not known; valid: {', '.join(OPSD_TEACHERS)}"
-            )
-        if self.train.options.opsd_teacher == "model" and self.train.method == "opsd" and not self.train.options.teacher_path:
-            raise ValueError("train.options.opsd_teacher is 'model' but train.options.teacher_path is empty")
+        VIDEO_METHODS[self.train.method].check_config(self)
         for name, value, valid in (
             ("anchor.ref_schedule", self.anchor.ref_schedule, REF_SCHEDULES),
-            ("train.options.tilt_reward", self.train.options.tilt_reward, TILT_REWARDS),
             ("model.dtype", self.model.dtype, DTYPES),
         ):
             if value not in valid:
                 raise ValueError(f"{name} {value!r} is not known; valid: {', '.join(valid)}")
-        if not 0.0 <= self.train.options.awr_eval_ema < 1.0:
-            raise ValueError(f"train.options.awr_eval_ema must be in [0, 1); got {self.train.options.awr_eval_ema}")
         if self.train.group_size < 2:
             raise ValueError(f"train.group_size must be >= 2 (group-relative advantages); got {self.train.group_size}")
         if self.data.frames < 1 or (self.data.frames - 1) % 4:
@@ -232,7 +238,6 @@ class VideoTrainConfig:
             ("eval.interval", self.eval.interval),
             ("eval.samples_per_prompt", self.eval.samples_per_prompt),
             ("model.num_inference_steps", self.model.num_inference_steps),
-            ("train.options.dmd_fake_updates", self.train.options.dmd_fake_updates),
             ("pretrain.batch_size", self.pretrain.batch_size),
             ("threads", self.threads),
             ("judge.steps", self.judge.steps),

@@ -15,7 +15,7 @@ Every round reads the same way, whatever the method:
        one); VideoAWR also keeps a separate EMA of `default` (decay 0.9, FlowAWR) that evaluation samples from.
     `round` counts finished rounds only.
 
-Teachers (AFD, OPSD `opsd_teacher=model`) are other generators: they read prompts with their own text encoder,
+Teachers (AFD, OPSD `train.opsd.teacher model`) are other generators: they read prompts with their own text encoder,
 start from noise in their own latent shape and run as saved (their own LoRA adapters on). AFD resizes their
 videos to the student's frames and size; OPSD needs matching latents (checked at construction).
 
@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from diffusion_rl.distill import stream_r1_reward
 from kinema.train.distributed import gather_rows, local_batch_size, mean_over_ranks, shard, sync_gradients, world
 from kinema.video.config import VideoTrainConfig
-from kinema.video.methods import METHOD_CLASSES, TRAINED
+from kinema.video.methods import TRAINED, VIDEO_METHODS
 from kinema.video.rollout import Rollout, collect_rollout, diversity, draw_prompts, ode_sample
 from policies.checkpoint import atomic_folder
 from policies.video.generator import BASE, VideoGenerator  # BASE: the pre-trained model with every adapter disabled
@@ -90,8 +90,8 @@ class VideoTrainer:
         teacher_clips: dict[str, Tensor] | None = None,
         judge: VideoReward | None = None,
     ) -> None:
-        if cfg.train.method not in METHOD_CLASSES:
-            raise ValueError(f"train.method {cfg.train.method!r} is not known; valid: {', '.join(METHOD_CLASSES)}")
+        if cfg.train.method not in VIDEO_METHODS:
+            raise ValueError(f"train.method {cfg.train.method!r} is not known; valid: {', '.join(VIDEO_METHODS)}")
         if not prompts:
             raise ValueError("the prompt pool is empty")
         self.cfg = cfg
@@ -105,7 +105,7 @@ class VideoTrainer:
         self.np_rng = np.random.default_rng(cfg.seed)
         self.updates = 0
         self.round = 0
-        method_cls = METHOD_CLASSES[cfg.train.method]
+        method_cls = VIDEO_METHODS[cfg.train.method]
         if generator.adapters:
             raise ValueError(f"the generator already has LoRA adapters {generator.adapters}; pass the pre-trained base")
         generator.add_adapter(TRAINED, rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha)  # active, trains
@@ -136,7 +136,7 @@ class VideoTrainer:
 
     def teacher_model(self) -> VideoGenerator:
         if self.teacher is None:
-            raise ValueError("this method needs a teacher model: set train.options.teacher_path")
+            raise ValueError(f"this method needs a teacher model: set train.{self.method.name}.teacher_path")
         return self.teacher
 
     @torch.no_grad()
@@ -154,7 +154,7 @@ class VideoTrainer:
         first = {int(g): i for i, g in reversed(list(enumerate(ro.group_ids.tolist())))}
         rows = [first[int(g)] for g in ro.group_ids.tolist()]
         uniq = sorted(set(first.values()))
-        g = self.cfg.train.options.teacher_guidance
+        g = self.method.opt.teacher_guidance
         if self.teacher is not None:
             # Another model: its own text encoder, its own latent shape, its own adapters (as saved: adapter None).
             t = self.teacher
@@ -167,12 +167,12 @@ class VideoTrainer:
         return resize_videos(vids, frames, size).to(ro.videos.device)
 
     def tilt_reward(self, ro: Rollout) -> Tensor:
-        """The r of the exp(β·r) rollout tilt (distill, OPSD): `train.options.tilt_reward`.
+        """The r of the exp(β·r) rollout tilt (distill, OPSD): `train.<method>.tilt_reward`.
 
         balanced: Stream-R1's r = mean_k z_k − ½·std_k z_k over the rewards z-scored across the round (every
         rank's samples; `diffusion_rl.distill.stream_r1_reward`); advantage (our variant): the balanced GDPO
         advantage."""
-        if self.cfg.train.options.tilt_reward == "advantage":
+        if self.method.opt.tilt_reward == "advantage":
             return ro.advantages
         z = torch.stack([s.float() for s in ro.scores.values()], dim=1)  # (B, K)
         round_z = gather_rows(z)
@@ -353,7 +353,7 @@ class VideoTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.method.load_state_dict(state["method_state"])
         if (state.get("eval_ema") is None) != (self.eval_ema is None):
-            raise ValueError(f"{path}: the checkpoint's evaluation EMA does not match this config (train.options.awr_eval_ema)")
+            raise ValueError(f"{path}: the checkpoint's evaluation EMA does not match this config (train.awr.eval_ema)")
         if self.eval_ema is not None:
             self.eval_ema.load_state_dict(state["eval_ema"])
         self.round, self.updates = state["round"], state["updates"]

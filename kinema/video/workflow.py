@@ -21,7 +21,6 @@ other ranks wait, then they read them back from the run folder; every rank post-
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import signal
 import threading
@@ -35,9 +34,9 @@ import torch
 from rich.console import Console
 
 from diffusion_rl.data.lerobot_v3 import read_episodes
-from kinema.common import FollowerRun, Run, progress_bar, read_collected, warn_if_other_task, write_collected
+from kinema.common import Run, progress_bar, read_collected, start_run, warn_if_other_task, write_collected
 from kinema.train import distributed
-from kinema.video.config import VideoTrainConfig, dump_config
+from kinema.video.config import VideoTrainConfig
 from kinema.video.export import FINAL_DIR, export_trainer
 from kinema.video.report import write_grid, write_report, write_reward_curves, write_videos_mp4
 from kinema.video.trainer import VideoTrainer
@@ -364,7 +363,7 @@ def load_teacher_clips(folder: str | Path, *, frames: int, size: int) -> dict[st
     root = Path(folder)
     videos = sorted(root.glob("*.mp4"))
     if not videos:
-        raise FileNotFoundError(f"train.options.teacher_videos: no .mp4 file in {root}")
+        raise FileNotFoundError(f"train.afd.teacher_videos: no .mp4 file in {root}")
     out: dict[str, list[torch.Tensor]] = {}
     for path in videos:
         prompt_file = path.with_suffix(".txt")
@@ -379,10 +378,11 @@ def load_teacher_clips(folder: str | Path, *, frames: int, size: int) -> dict[st
 
 def teachers(cfg: VideoTrainConfig) -> tuple[Any | None, dict[str, torch.Tensor] | None]:
     """(teacher generator, teacher clips) as the method's options ask; (None, None) = the guided reference."""
-    o, method = cfg.train.options, cfg.train.method
+    method = cfg.train.method
+    o = getattr(cfg.train, method, None)
     clips = load_teacher_clips(o.teacher_videos, frames=cfg.data.frames, size=cfg.data.size) if method == "afd" and o.teacher_videos else None
     model = None
-    if o.teacher_path and (method == "afd" and clips is None or method == "opsd" and o.opsd_teacher == "model"):
+    if getattr(o, "teacher_path", "") and (method == "afd" and clips is None or method == "opsd" and o.teacher == "model"):
         from policies.video.generator import VideoGenerator
 
         # The teacher keeps its own shape (AFD resizes its videos; OPSD checks that the latents match).
@@ -455,32 +455,17 @@ def stages_before_post_training(
 
 
 def train_video(cfg: VideoTrainConfig, *, resume: bool = False, console: Console | None = None) -> Path:
-    console = console or Console(stderr=True)
-    if distributed.init_from_env():  # under torchrun: one data-parallel learner per rank
-        rank, size = distributed.world()
-        if cfg.train.prompts_per_round % size:
-            raise ValueError(f"train.prompts_per_round {cfg.train.prompts_per_round} does not split over {size} ranks "
-                             f"(each rolls out whole prompt groups): use a multiple of {size}")
+    def split_checks(ranks: int) -> None:  # under torchrun: one data-parallel learner per rank
+        if cfg.train.prompts_per_round % ranks:
+            raise ValueError(f"train.prompts_per_round {cfg.train.prompts_per_round} does not split over {ranks} ranks "
+                             f"(each rolls out whole prompt groups): use a multiple of {ranks}")
         distributed.local_batch_size(cfg.train.batch_size, "train.batch_size")
-        if rank:
-            console = Console(file=io.StringIO())  # rank 0 speaks for the run
-    main = distributed.is_main()
-    torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    started = time.time()
 
+    started = time.time()
     # 1. Run folder ------------------------------------------------------------------------------------------------
-    if main:
-        run = Run(cfg.run_dir(), console, tensorboard=cfg.tensorboard, step_key="round")
-        if not resume and run.state():
-            raise FileExistsError(f"{run.root} already holds a run; pass --resume to continue it, or choose another --out")
-        state = run.resume() if resume else {}  # drops the metrics records the last checkpoint does not cover
-        if resume and not state:
-            raise FileNotFoundError(f"nothing to resume in {run.root}: no state.json (start it without --resume)")
-        write_text_atomic(run.root / "config.yaml", dump_config(cfg))
-    else:
-        run, state = FollowerRun(cfg.run_dir(), console), {}
-    state = distributed.broadcast_object(state)  # rank 0's; the others wait here while it checks the folder
+    run, state, console = start_run(cfg, resume=resume, console=console or Console(stderr=True), step_key="round",
+                                    split_checks=split_checks)  # fmt: skip
+    main = distributed.is_main()
     samples = run.root / "samples"
 
     # Ctrl-C before the first checkpoint: nothing to resume, but the stages done so far are kept and reused.
