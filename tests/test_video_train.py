@@ -27,12 +27,7 @@ from policies.video.generator import BASE, VideoGenerator
 from policies.video.rewards import make_rewards
 from policies.video.rewards.base import VideoReward
 
-PROMPTS = ["put the red cube on the blue plate", "open the drawer", "push the green cube to the left"]
-TINY = [
-    "--data.frames", "5", "--data.size", "16", "--train.prompts_per_round", "2", "--train.group_size", "2",
-    "--train.updates_per_round", "2", "--train.batch_size", "4", "--model.num_inference_steps", "3",
-    "--eval.prompts", "2", "--eval.samples_per_prompt", "2", "--rewards.names", "[exposure, sharpness]",
-]  # fmt: skip
+PROMPTS, TINY = video_method_regression.PROMPTS, video_method_regression.TINY  # the tiny trainer both files build
 
 
 @pytest.fixture(autouse=True)
