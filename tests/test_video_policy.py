@@ -259,3 +259,14 @@ def test_methods_that_cannot_train_the_video_policy_are_refused_with_the_valid_o
     with pytest.raises(ValueError, match="does not train a 'video' policy; valid for it: habc, sft_continued, awr, none"):
         load_config(None, ["--policy.type", "video", "--rl.method", "flow_ppo"], config_class=TrainConfig)
     assert load_config(None, ["--policy.type", "video", "--rl.method", "awr"], config_class=TrainConfig).policy.type == "video"
+
+
+def test_options_of_another_policy_type_are_refused_not_ignored():
+    from kinema.common import load_config
+    from kinema.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="policy.vision_encoder: not an option of policy.type 'video' \\(its options: .*planning_candidates"):
+        load_config(None, ["--policy.type", "video", "--policy.vision_encoder", "spatial_softmax"], config_class=TrainConfig)
+    with pytest.raises(ValueError, match="policy.planning_candidates: not an option of policy.type 'vla'"):
+        load_config(None, ["--policy.planning_candidates", "4"], config_class=TrainConfig)
+    assert load_config(None, ["--policy.type", "video", "--policy.planning_candidates", "4"], config_class=TrainConfig).policy.planning_candidates == 4

@@ -159,6 +159,13 @@ class PolicyOptions:
 
         return policy_classes(self.type)[0]
 
+    def options_it_ignores(self) -> list[str]:
+        """The options set away from their defaults that the chosen policy type has no field for (a VLA's encoder
+        asked of a video policy, say): refused, rather than silently ignored."""
+        names = {f.name for f in dataclasses.fields(self.config_class())} | {"type", "ema_decay"}
+        return [f"policy.{f.name}" for f in dataclasses.fields(self)
+                if f.name not in names and getattr(self, f.name) != f.default]  # fmt: skip
+
     def policy_fields(self) -> dict[str, Any]:
         """The options that are fields of the policy type's config (all but type and ema_decay): the one mapping from
         these keys to the policy."""
@@ -280,6 +287,9 @@ class TrainConfig:
             raise ValueError(f"demos.episodes must be >= 1 (or give a dataset); got {self.demos.episodes}")
         if not 0.0 <= self.policy.ema_decay < 1.0:
             raise ValueError(f"policy.ema_decay must be in [0, 1) (0: no average); got {self.policy.ema_decay}")
+        if ignored := self.policy.options_it_ignores():
+            raise ValueError(f"{', '.join(ignored)}: not an option of policy.type {self.policy.type!r} (its options: "
+                             f"{', '.join(sorted(self.policy.policy_fields()))}); leave it at its default")
         # The policy's own rules (its config class), checked now rather than after the demos are collected.
         config_class = self.policy.config_class()
         try:
