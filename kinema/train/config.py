@@ -42,7 +42,7 @@ class DemoConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 1000  # gradient steps of supervised flow matching on the demos
+    steps: int = 2000  # gradient steps of supervised flow matching on the demos (where drawer's validation success flattens: benchmarks/sft_plateau.py)
     batch_size: int = 64
     lr: float = 3e-4
     weight_decay: float = 1e-4
