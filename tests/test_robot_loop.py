@@ -82,6 +82,8 @@ def test_rounds_on_the_robot_survive_a_kill_swap_each_rounds_checkpoint_and_keep
     acted = {r["round"]: r["robot/policy"] for r in records if r.get("kind") == "round"}
     assert acted == {1: checkpoint_fingerprint(run / "checkpoints" / "sft"), 2: checkpoint_fingerprint(run / "checkpoints" / "round-001")}
     assert acted[1] != acted[2]
+    taken = {r["round"]: r["robot/episodes_taken_over"] for r in records if r.get("kind") == "round"}
+    assert taken == {n: sum(bool((robot[i].executed_by == ExecutedBy.HUMAN).any()) for i in complete[f"round-{n}"]) for n in (1, 2)}
     assert person["takeovers"] >= 1 and any((robot[i].executed_by == ExecutedBy.HUMAN).any() for i in complete["round-1"] + complete["round-2"])
     assert (run / "checkpoints" / "final" / "model.safetensors").exists()
     assert "on the robot `sim_panda`" in (run / "report.md").read_text()

@@ -26,7 +26,7 @@ from typing import Any
 
 from rich.console import Console
 
-from diffusion_rl.data import Episode
+from diffusion_rl.data import Episode, ExecutedBy
 from diffusion_rl.data.lerobot_v3 import LeRobotDatasetReader
 from kinema.train.methods.base import RLMethod, Rollouts
 from kinema.train.progress import RunProgress
@@ -80,7 +80,7 @@ class RobotRounds:
         done = len(self.recorded(round_index))
         if done:
             self.console.print(f"round {round_index}: {done} episode(s) already recorded on the robot (resumed)")
-        started, takeovers = time.monotonic(), []
+        started = time.monotonic()
         with progress.phase(f"round {round_index}: robot episodes", wanted - min(done, wanted), kind="rollout"):
             while done < wanted:
                 if session.quit.is_set():
@@ -94,12 +94,11 @@ class RobotRounds:
                 session.recorder.flush(timeout=120)
                 now = len(self.recorded(round_index))
                 if now > done:  # an episode the recorder could not keep (no step sampled) is run again
-                    takeovers.append(bool(result["taken_over"]))
                     progress.advance()
                 done = now
         episodes = self._read(round_index)[:wanted]
-        record["robot/seconds"] = round(time.monotonic() - started, 1)
-        record["robot/episodes_taken_over"] = sum(takeovers)
+        record["robot/seconds"] = round(time.monotonic() - started, 1)  # this start's (a resumed round: since the resume)
+        record["robot/episodes_taken_over"] = sum(bool((ep.executed_by == ExecutedBy.HUMAN).any()) for ep in episodes)
         return method.digest(round_index, episodes, record)
 
     def operator(self, prompt: str) -> None:
