@@ -14,7 +14,8 @@ Messages are stamped with the simulation clock (seconds since the node started, 
 ROS 2 simulator does for nodes with `use_sim_time`: on a loaded machine physics may fall behind the wall clock, and
 the stamps say when, in the robot's time, each state was true.
 
-This is the only `robot/` module that imports `sim/`: the bridge itself runs on a real arm without the simulator.
+This and `robot/sim_person.py` (the simulated person beside it) are the only `robot/` modules that import `sim/`:
+the bridge itself runs on a real arm without the simulator.
 """
 
 from __future__ import annotations

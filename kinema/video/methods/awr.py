@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from diffusion_rl.advantages import awr_energies
 from diffusion_rl.flow import awr_loss, awr_target
 from kinema.video.methods.base import REF, TRAINED, Method
-from policies.video.generator import BASE  # the pre-trained model with every adapter disabled
+from policies.video.modeling_lora import BASE  # the pre-trained model with every adapter disabled
 
 
 @dataclass

@@ -12,7 +12,7 @@ from torch import Tensor
 from diffusion_rl.distill import dmd_gradient, dmd_loss, reward_tilt_weights, saliency_weights
 from diffusion_rl.flow import x0_from_velocity
 from kinema.video.methods.base import FAKE, TRAINED, Method, TeacherOptions, TiltOptions, check_tilt
-from policies.video.generator import BASE  # the pre-trained model with every adapter disabled
+from policies.video.modeling_lora import BASE  # the pre-trained model with every adapter disabled
 
 
 @dataclass

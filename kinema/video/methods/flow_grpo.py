@@ -9,7 +9,7 @@ import torch
 from diffusion_rl.flow import ppo_clip_loss, sde_kl_loss, sde_sample, sde_step_with_logprob
 from kinema.video.methods.base import TRAINED, Method
 from kinema.video.rollout import velocity_fn
-from policies.video.generator import BASE  # the pre-trained model with every adapter disabled
+from policies.video.modeling_lora import BASE  # the pre-trained model with every adapter disabled
 
 
 @dataclass

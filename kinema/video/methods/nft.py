@@ -9,7 +9,7 @@ from torch import Tensor
 from diffusion_rl.flow import nft_loss
 from kinema.video.methods.base import REF, TRAINED, Method
 from kinema.video.rollout import Rollout
-from policies.video.generator import BASE  # the pre-trained model with every adapter disabled
+from policies.video.modeling_lora import BASE  # the pre-trained model with every adapter disabled
 
 
 @dataclass

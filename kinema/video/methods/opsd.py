@@ -11,7 +11,7 @@ from diffusion_rl.distill import opsd_loss, reward_tilt_weights
 from kinema.train.distributed import gather_rows
 from kinema.video.methods.base import TRAINED, Method, TeacherOptions, TiltOptions, check_tilt
 from kinema.video.rollout import Rollout
-from policies.video.generator import BASE  # the pre-trained model with every adapter disabled
+from policies.video.modeling_lora import BASE  # the pre-trained model with every adapter disabled
 
 TEACHERS = ("cfg", "privileged_prompt", "model")
 
