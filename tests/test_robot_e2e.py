@@ -142,7 +142,10 @@ def test_takeover_over_dds_is_recorded_as_human_steps(procs, listener, tmp_path)
         time.sleep(0.1)
     assert procs.wait(deploy, 60) == 0, procs.logs()
     summary = procs.records("deploy")[-1]
-    assert summary["safety"]["estopped"] is True and summary["safety"]["counters"]["hold_estop"] > 0
+    assert summary["safety"]["estopped"] is True and summary["safety"]["counters"]["estop_engaged"] == 1
+    # The e-stop ends the episode at once, as a failure (robot.session.RobotSession), before its 6 s were up.
+    (episode,) = [r for r in procs.records("deploy") if r["event"] == "episode"]
+    assert episode["estopped"] is True and episode["success"] is False and episode["seconds"] < 6, episode
     assert summary["stats"]["handbacks"] == 1
     assert [e for _, e in teleop.events] == [True, False]
     ep = LeRobotDatasetReader(tmp_path / "rec" / "dataset")[0]
