@@ -318,6 +318,7 @@ class PolicyNode:
                 log.info("human takeover")
             elif not m.data and self._takeover:
                 self._takeover, self._handback = False, True
+                self.stats.add("handbacks")  # counted as it arrives: an e-stop may pause the ticks right after
                 log.info("hand-back to the policy")
 
     def _on_teleop(self, m: msg.Float64MultiArray) -> None:
@@ -482,7 +483,8 @@ class PolicyNode:
             teleop, q = self._teleop, self._q
         if handback or changed:
             self._restart_chunk()  # hand-back: the policy's next chunk starts from the state the human left
-            self.stats.add("handbacks" if handback else "instruction_changes")
+        if changed:
+            self.stats.add("instruction_changes")
 
         # 1. Take a finished chunk: actions planned for ticks that have passed are skipped.
         result = self.worker.poll()
