@@ -259,13 +259,86 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _valid_keys(cls: type, prefix: str = "") -> dict[str, list[str]]:
-    """Per dotted prefix, the valid field names (nested dataclasses recurse)."""
+    """Per dotted prefix, the valid field names (nested dataclasses recurse; a choice group, such as `policy`, has
+    `type` and the fields of every registered choice: which of them a config may set depends on its type)."""
     out = {prefix: [f.name for f in dataclasses.fields(cls)]}
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
-        if dataclasses.is_dataclass(default):
+        if isinstance(default, draccus.ChoiceRegistry):
+            names = ["type"]
+            for choice in _choice_base(type(default)).get_known_choices().values():
+                names += [g.name for g in dataclasses.fields(choice) if g.name not in names]
+            out[f"{prefix}{f.name}."] = names
+        elif dataclasses.is_dataclass(default):
             out.update(_valid_keys(type(default), f"{prefix}{f.name}."))
     return out
+
+
+def _choice_base(cls: type) -> type:
+    """The class a choice group registers its choices on (`PolicyOptions` for `VLAOptions`)."""
+    return next(c for c in cls.__mro__ if draccus.ChoiceRegistry in c.__bases__)
+
+
+def _choice_groups(cls: type, prefix: str = "") -> dict[str, type]:
+    """Per dotted prefix of a choice group (`policy.`), its registry base class."""
+    out: dict[str, type] = {}
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        if isinstance(default, draccus.ChoiceRegistry):
+            out[f"{prefix}{f.name}."] = _choice_base(type(default))
+        elif dataclasses.is_dataclass(default):
+            out.update(_choice_groups(type(default), f"{prefix}{f.name}."))
+    return out
+
+
+def _group_data(data: Any, prefix: str) -> Any:
+    for part in filter(None, prefix.split(".")):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _check_choice_keys(data: Any, overrides: list[str], config_class: type) -> None:
+    """Each choice group's keys, from the file and the command line, against the fields of the type chosen (the
+    last `--policy.type`, else the file's, else the group's default): another type's option is refused by name."""
+    for prefix, base in _choice_groups(config_class).items():
+        given = _group_data(data, prefix)
+        keys = {k: "in the config file" for k in (given if isinstance(given, dict) else {})}
+        chosen = given.get("type") if isinstance(given, dict) and "type" in given else base.default_choice_name()
+        for arg in overrides:
+            dotted, _, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+            if dotted.startswith(prefix) and "." not in dotted[len(prefix):]:
+                keys[dotted[len(prefix):]] = "on the command line"
+        for i, arg in enumerate(overrides):  # --policy.type video | --policy.type=video; the last one wins
+            if arg == f"--{prefix}type" and i + 1 < len(overrides):
+                chosen = overrides[i + 1]
+            elif arg.startswith(f"--{prefix}type="):
+                chosen = arg.split("=", 1)[1]
+        known = base.get_known_choices()
+        if chosen not in known:
+            raise ValueError(f"{prefix}type {chosen!r} is not known; valid: {', '.join(known)}")
+        own = {f.name for f in dataclasses.fields(known[chosen])} | {"type"}
+        for key, source in keys.items():
+            if key not in own:
+                owners = [name for name, c in known.items() if key in {f.name for f in dataclasses.fields(c)}]
+                raise ValueError(f"{prefix}{key}: not an option of {prefix}type {chosen!r} ({source}; its options: "
+                                 f"{', '.join(sorted(own - {'type'}))}); it is one of {prefix}type {' or '.join(owners)}")  # fmt: skip
+
+
+def _drop_other_choices_defaults(data: Any, config_class: type) -> None:
+    """A config file written when a choice group was one union of every type's fields (an older run's config.yaml):
+    the other types' fields at their defaults say nothing, and are dropped so that the file loads as it ran."""
+    for prefix, base in _choice_groups(config_class).items():
+        given = _group_data(data, prefix)
+        if not isinstance(given, dict):
+            continue
+        known = base.get_known_choices()
+        chosen = known.get(given.get("type", base.default_choice_name()))
+        if chosen is None:
+            continue
+        own = {f.name for f in dataclasses.fields(chosen)}
+        defaults = {f.name: f.default for c in known.values() for f in dataclasses.fields(c) if f.name not in own}
+        for key in [k for k in given if k in defaults and given[k] == defaults[k]]:
+            del given[key]
 
 
 def _check_keys(data: Any, valid: dict[str, list[str]], prefix: str = "", source: str = "") -> None:
@@ -298,7 +371,7 @@ def load_run_config(
     # Checked before the run rewrites its config.yaml: a refused override must leave the run resumable as it was.
     # Only keys the file holds: one an older kinema did not write has no saved value to keep.
     fixed = getattr(config_class, "RESUME_FIXED", ())
-    old, new = _flatten(_migrated(read_yaml(saved) or {}, config_class)[0]), _flatten(dataclasses.asdict(after))
+    old, new = _flatten(_migrated(read_yaml(saved) or {}, config_class)[0]), _flatten(draccus.encode(after))
     changed = [k for k in sorted(old) if any(k == f or k.startswith(f + ".") for f in fixed) and not _same(old[k], new.get(k))]
     if changed:
         diffs = ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
@@ -336,13 +409,15 @@ def load_config(
     shipped name) plus `--a.b value` / `--a.b=value` overrides. An unknown key is an error listing the valid ones."""
     valid = _valid_keys(config_class)
     renamed = getattr(config_class, "RENAMED_KEYS", {})
+    data: Any = {}
     with contextlib.ExitStack() as stack:
         if config_path:
             path = resolve_config_path(config_path)
             config_path = str(path)
-            data, old_names = _migrated(read_yaml(path) or {}, config_class)
+            raw = read_yaml(path) or {}
+            data, _ = _migrated(raw, config_class)
             _check_keys(data, valid, "", f" in {path}")
-            if old_names:  # a file written before keys were renamed (an older run's config.yaml): read it under the new names
+            if data != raw:  # a file an older kinema wrote (an older run's config.yaml): read it as migrated
                 tmp = stack.enter_context(tempfile.TemporaryDirectory())
                 config_path = str(Path(tmp) / path.name)
                 Path(config_path).write_text(yaml.safe_dump(data, sort_keys=False))
@@ -359,6 +434,7 @@ def load_config(
                 if f"{dotted}." in valid:  # draccus would fail on it with a message that names neither key nor fix
                     keys = ", ".join(f"--{dotted}.{k}" for k in valid[f"{dotted}."])
                     raise ValueError(f"--{dotted} is a group of config keys, not one value; set its keys: {keys}")
+        _check_choice_keys(data, list(overrides or []), config_class)
         return _parse(config_class, config_path, overrides)
 
 
@@ -366,10 +442,11 @@ def _migrated(data: Any, config_class: type) -> tuple[Any, list[str]]:
     """`data` with keys an older kinema wrote under other names moved to their new ones (the config class's
     `RENAMED_KEYS`, old dotted key -> new; then its `migrate(data, old_names)` for what a rename alone cannot say),
     and the old names found."""
-    renamed = getattr(config_class, "RENAMED_KEYS", {})
-    if not isinstance(data, dict) or not renamed:
+    if not isinstance(data, dict):
         return data, []
     data = json.loads(json.dumps(data))  # a deep copy; YAML values are JSON values
+    _drop_other_choices_defaults(data, config_class)
+    renamed = getattr(config_class, "RENAMED_KEYS", {})
     found = []
     for old, new in renamed.items():
         *parents, leaf = old.split(".")
@@ -414,12 +491,22 @@ def _cause_of(err: BaseException) -> BaseException | None:
 
 
 def config_keys_help(config_class: type) -> str:
-    """Every dotted config key with its default, for `kinema train --help` (or another config's command)."""
+    """Every dotted config key with its default, for `kinema train --help` (or another config's command); a choice
+    group's keys per type."""
     lines = ["config keys (defaults):"]
+    groups = _choice_groups(config_class)
     for prefix, names in _valid_keys(config_class).items():
         obj: Any = config_class()
         for part in filter(None, prefix.split(".")):
             obj = getattr(obj, part)
+        if prefix in groups:
+            known = groups[prefix].get_known_choices()
+            lines.append(f"  {prefix}type={obj.type!r} (one of {', '.join(known)}); each type's own keys:")
+            for name, choice in known.items():
+                example = choice()
+                values = [f"{prefix}{f.name}={getattr(example, f.name)!r}" for f in dataclasses.fields(choice)]
+                lines.append(f"    {name}: " + "  ".join(values))
+            continue
         values = [f"{prefix}{n}={getattr(obj, n)!r}" for n in names if not dataclasses.is_dataclass(getattr(obj, n))]
         lines.append("  " + "  ".join(values))
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """kinema's policies, registered by type (`policy.type` in a training config, `policy_type` in a checkpoint's
 config.json). Workflows create and load policies through `make_policy` and `load_policy`, and name no policy class.
 
-Adding a type is a module exporting its config and policy classes plus one line in `POLICY_TYPES`.
+Adding a type is a module exporting its config and policy classes plus one line in `POLICY_TYPES`, and its training
+options as a group registered on `kinema.train.config.PolicyOptions` (a test checks that every type has one).
 """
 
 from __future__ import annotations

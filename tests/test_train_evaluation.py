@@ -60,7 +60,7 @@ def test_noise_scale_zero_starts_every_chunk_from_zero_noise_and_one_is_the_samp
     an observation whatever the episode's seed (deterministic), the chunk of zero noise."""
     from test_train_pa_rl_dsrl import act, obs
 
-    from kinema.train.config import EvalConfig, PolicyOptions, TrainConfig
+    from kinema.train.config import EvalConfig, TrainConfig, VideoPolicyOptions
     from kinema.train.evaluate import ChunkPolicy
 
     policy = tiny_policy().eval()
@@ -79,7 +79,7 @@ def test_noise_scale_zero_starts_every_chunk_from_zero_noise_and_one_is_the_samp
     with pytest.raises(ValueError, match="noise_scale must be >= 0"):
         ChunkPolicy(policy, noise_scale=-1.0)
     with pytest.raises(ValueError, match="eval.noise_scale scales the VLA's initial flow noise"):
-        TrainConfig(policy=PolicyOptions(type="video"), eval=EvalConfig(noise_scale=0.0))
+        TrainConfig(policy=VideoPolicyOptions(), eval=EvalConfig(noise_scale=0.0))
 
 
 def test_a_checkpoints_inference_noise_scale_is_how_it_acts_alone_and_deploy_can_replace_it(tmp_path):

@@ -265,8 +265,61 @@ def test_options_of_another_policy_type_are_refused_not_ignored():
     from kinema.common import load_config
     from kinema.train.config import TrainConfig
 
-    with pytest.raises(ValueError, match="policy.vision_encoder: not an option of policy.type 'video' \\(its options: .*planning_candidates"):
+    with pytest.raises(ValueError, match="policy.vision_encoder: not an option of policy.type 'video' \\(on the command line; its options: .*planning_candidates"):
         load_config(None, ["--policy.type", "video", "--policy.vision_encoder", "spatial_softmax"], config_class=TrainConfig)
     with pytest.raises(ValueError, match="policy.planning_candidates: not an option of policy.type 'vla'"):
         load_config(None, ["--policy.planning_candidates", "4"], config_class=TrainConfig)
     assert load_config(None, ["--policy.type", "video", "--policy.planning_candidates", "4"], config_class=TrainConfig).policy.planning_candidates == 4
+
+
+def test_each_policy_type_has_its_own_options_group_and_a_config_file_is_checked_against_its_type(tmp_path):
+    import dataclasses
+
+    import yaml
+
+    from kinema.common import config_keys_help, dump_config, load_config
+    from kinema.train.config import PolicyOptions, TrainConfig, VideoPolicyOptions, VLAOptions
+    from policies import POLICY_TYPES, policy_classes
+
+    assert set(PolicyOptions.get_known_choices()) == set(POLICY_TYPES)
+    for name, options in PolicyOptions.get_known_choices().items():
+        # Every option but ema_decay (a training option) is a field of that type's policy config.
+        config_fields = {f.name for f in dataclasses.fields(policy_classes(name)[0])}
+        assert set(options().policy_fields()) <= config_fields, name
+    assert {f.name for f in dataclasses.fields(VideoPolicyOptions)}.isdisjoint({"backbone", "vision_encoder", "keypoints"})
+    assert {f.name for f in dataclasses.fields(VLAOptions)}.isdisjoint({"video_size", "generator_path", "planning_candidates"})
+    # A config file: its type picks the group; another type's key is refused with the file named.
+    video = tmp_path / "video.yaml"
+    video.write_text("rl:\n  method: awr\npolicy:\n  type: video\n  video_size: 16\n")
+    cfg = load_config(str(video), ["--policy.image_size", "32"], config_class=TrainConfig)
+    assert isinstance(cfg.policy, VideoPolicyOptions) and (cfg.policy.video_size, cfg.policy.image_size) == (16, 32)
+    assert yaml.safe_load(dump_config(cfg))["policy"]["type"] == "video"  # the run's config.yaml says which group
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policy:\n  keypoints: 16\n  planning_candidates: 4\n")
+    with pytest.raises(ValueError, match="policy.planning_candidates: not an option of policy.type 'vla' \\(in the config file"):
+        load_config(str(bad), [], config_class=TrainConfig)
+    assert "video: policy.image_size=64" in config_keys_help(TrainConfig)
+
+
+def test_a_run_config_written_when_policy_options_were_one_union_still_loads_as_it_ran(tmp_path):
+    """Until 12-06 every run's config.yaml held every policy type's options (the unused ones at their defaults)."""
+    import yaml
+
+    from kinema.common import load_config, load_run_config
+    from kinema.train.config import TrainConfig, VLAOptions
+
+    union = {"type": "vla", "image_size": 64, "chunk_size": 8, "n_action_steps": 4, "num_flow_steps": 10, "backbone": "tiny",
+             "backbone_path": "", "backbone_layers": 0, "backbone_image_size": 0, "lora_rank": 8, "freeze_vision": True,
+             "aux_input": "fused", "vision_encoder": "spatial_softmax", "keypoints": 16, "state_dropout": 0.0, "augment_shift": 4,
+             "text_position_jitter": False, "text_filler_words": 0.0, "ema_decay": 0.995, "video_size": 32,
+             "generator_path": "", "planning_candidates": 1}  # fmt: skip
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"task": "drawer", "out": str(run), "policy": union}))
+    cfg = load_run_config(None, [], str(run), config_class=TrainConfig)
+    assert isinstance(cfg.policy, VLAOptions) and (cfg.policy.vision_encoder, cfg.policy.keypoints) == ("spatial_softmax", 16)
+    # A video option set away from its default was never a union default: it is not dropped, it is refused.
+    union["planning_candidates"] = 4
+    (run / "config.yaml").write_text(yaml.safe_dump({"task": "drawer", "out": str(run), "policy": union}))
+    with pytest.raises(ValueError, match="policy.planning_candidates: not an option of policy.type 'vla'"):
+        load_config(str(run / "config.yaml"), [], config_class=TrainConfig)
