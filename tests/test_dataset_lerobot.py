@@ -19,7 +19,8 @@ downgrade numpy, av, huggingface-hub, packaging and others), so it lives in a th
     /tmp/lerobot-venv/bin/pip install lerobot-dataset==0.4.4 torch==2.13.0
     KINEMA_LEROBOT_PYTHON=/tmp/lerobot-venv/bin/python pytest tests/test_dataset_lerobot.py
 
-(`.ci/run` builds that venv and runs the whole suite with KINEMA_LEROBOT_PYTHON set.)
+(`.ci/run` builds that venv, with torch 2.14.1, torchvision and lerobot 0.4.4 for the peer policies of
+tests/test_imitation_peers.py, and runs the whole suite with KINEMA_LEROBOT_PYTHON set.)
 
 torchvision is not needed: LeRobot 0.4.4 decodes video with torchcodec or torchvision's `VideoReader`, which
 torchvision >= 0.25 removed (and the PyPI builds of both need CUDA torch), so the LeRobot-side script stands in a PyAV
