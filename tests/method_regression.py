@@ -6,6 +6,7 @@ Recording them again is a decision, not a chore: it says that a change of behavi
 
     python tests/method_regression.py   # records this machine's reference, fixtures/train_methods_reference/<signature>.json
     python tests/method_regression.py pa_rl dsrl   # records (or re-records) those methods' entries only
+    python tests/method_regression.py --unsigned recap   # also adds them to unsigned.json (machines without their own)
 
 Floats depend on the machine as well as the code: two x86 CPUs that both report AVX-512 ran different kernels, and a
 success model's last loss after 200 Adam steps moved by 50 %. So each machine kind keeps its own reference, named by
@@ -51,6 +52,9 @@ RUNS: dict[str, list[str]] = {
               "--rl.pa_rl.critic_steps", str(CRITIC_STEPS), "--rl.pa_rl.demo_episodes", "2", "--rl.pa_rl.eval_samples", "2"],
     "dsrl": ["--rl.method", "dsrl", "--rl.dsrl.sac_steps", str(CRITIC_STEPS), "--rl.dsrl.distill", "true"],
     "residual": ["--rl.method", "residual", "--rl.residual.sac_steps", str(CRITIC_STEPS)],
+    "recap": ["--rl.method", "recap", "--rl.interventions", "true", "--rl.recap.value_steps", str(CRITIC_STEPS),
+              "--rl.recap.value_batch_size", "16", "--rl.recap.guidance", "2"],
+    "hg_dagger": ["--rl.method", "hg_dagger", "--rl.interventions", "true"],
 }  # fmt: skip
 # The options as they were named before the methods had their own groups (the reference was recorded with these).
 LEGACY = {"--rl.awr.critic_steps": "--rl.habc.critic_steps", "--rl.ppo.group_size": "--rl.group_size",
@@ -100,14 +104,14 @@ def this_machines_reference() -> Path:
     return REFERENCES / f"{numeric_signature()}.json"
 
 
-def reference() -> tuple[dict, dict[str, float], Path]:
-    """(the reference to compare with, math.isclose's tolerances for it, its path): this machine kind's own, tight;
-    else the unsigned one, loose: on another machine kernels sum in another order, and the rounds' losses of ~1e-3
-    moved by up to 6e-5 (an AVX2 machine) or 4e-4 (an AVX-512 one: the success model's and GAE's diagnostics, within
-    5e-6 elsewhere)."""
+def reference(name: str) -> tuple[dict, dict[str, float], Path]:
+    """(the reference holding run `name`, math.isclose's tolerances for it, its path): this machine kind's own, tight;
+    else (no file, or a method recorded after it) the unsigned one, loose: on another machine kernels sum in another
+    order, and the rounds' losses of ~1e-3 moved by up to 6e-5 (an AVX2 machine) or 4e-4 (an AVX-512 one: the
+    success model's and GAE's diagnostics, within 5e-6 elsewhere)."""
     own = this_machines_reference()
-    if own.exists():
-        return json.loads(own.read_text()), {"rel_tol": 1e-5, "abs_tol": 1e-7}, own
+    if own.exists() and name in (recorded := json.loads(own.read_text())):
+        return recorded, {"rel_tol": 1e-5, "abs_tol": 1e-7}, own
     return json.loads(UNSIGNED.read_text()), {"rel_tol": 1e-2, "abs_tol": 1e-4}, UNSIGNED
 
 
@@ -177,3 +181,10 @@ if __name__ == "__main__":
     own.parent.mkdir(parents=True, exist_ok=True)
     own.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     print(f"wrote {own}")
+    if "--unsigned" in sys.argv:  # a method new to the registry: the loose reference of every other machine kind
+        unsigned = json.loads(UNSIGNED.read_text())
+        if changed := environment_changes(unsigned.get("_environment", {})):
+            raise SystemExit(f"{UNSIGNED.name} was recorded with other package versions {changed}: not adding to it")
+        unsigned.update({name: out[name] for name in names})
+        UNSIGNED.write_text(json.dumps(unsigned, indent=1, sort_keys=True) + "\n")
+        print(f"added {', '.join(names)} to {UNSIGNED}")

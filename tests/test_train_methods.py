@@ -27,7 +27,7 @@ def kinema(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_each_method_reproduces_its_recorded_round(tmp_path: Path, name: str):
     torch.set_num_threads(1)
-    recorded, tol, path = reference()
+    recorded, tol, path = reference(name)
     if changed := environment_changes(recorded.get("_environment", {})):
         pytest.skip(f"{path.name} recorded with other package versions {changed} (installed, recorded): floats move "
                     "across releases; after checking that the change is upstream, re-record: python tests/method_regression.py")
