@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -165,6 +166,9 @@ def main() -> None:
     parser.add_argument("--splits", default="train,heldout_instructions,heldout_objects,ablated_instructions")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--lerobot-python", default=os.environ.get("KINEMA_LEROBOT_PYTHON"))
+    parser.add_argument("--peer-set", action="append", default=[], metavar="POLICY:KEY=VALUE",
+                        help="a peer config field on top of the settings above, e.g. diffusion:down_dims=[128,256,512]; "
+                             "the arm's folder and JSON name say so")  # fmt: skip
     parser.add_argument("--out", default="runs/imitation")
     parser.add_argument("--quick", action="store_true")
     args, extra = parser.parse_known_args()
@@ -184,6 +188,12 @@ def main() -> None:
     if any(a in PEERS for a in arms) and not args.lerobot_python:
         raise SystemExit("the ACT and Diffusion Policy arms run LeRobot's code from its own venv: give --lerobot-python "
                          "(or KINEMA_LEROBOT_PYTHON); the module docstring says how to build it")  # fmt: skip
+    extra_settings: dict[str, list[str]] = {}
+    for item in args.peer_set:
+        policy, sep, setting = item.partition(":")
+        if not sep or policy not in PEERS or "=" not in setting:
+            raise SystemExit(f"--peer-set {item!r}: expected POLICY:KEY=VALUE with POLICY one of {', '.join(PEERS)}")
+        extra_settings.setdefault(policy, []).append(setting)
     splits = [s.strip() for s in args.splits.split(",")]
     root = Path(args.out) / args.task / f"s{args.seed}"
     run = root / f"kinema-steps{args.steps}"
@@ -196,16 +206,20 @@ def main() -> None:
     common = dict(task=args.task, splits=splits, episodes=args.episodes, seed=args.seed, workers=args.workers, image_size=image_size)
     rows = {"kinema": summary(evaluate_arm(run, loaded.acting.make, **common), kin["cpu_minutes"], args.steps)}
     for policy in (a for a in arms if a in PEERS):
-        arm, budget = root / f"{policy}-steps{args.steps}", root / f"{policy}-cpu{kin['cpu_minutes']:g}"
-        peer_arm(args.lerobot_python, arm, budget, policy=policy, demos=kin["demos"], steps=args.steps,
-                 batch_size=args.batch_size, seed=args.seed, budget_cpu_minutes=kin["cpu_minutes"], settings=settings[policy])  # fmt: skip
+        variant = policy + "".join("-" + re.sub(r"[^A-Za-z0-9_]+", "_", s).strip("_") for s in extra_settings.get(policy, []))
+        arm, budget = root / f"{variant}-steps{args.steps}", root / f"{variant}-cpu{kin['cpu_minutes']:g}"
+        peer_arm(args.lerobot_python, arm, budget, policy=policy, demos=kin["demos"], steps=args.steps, batch_size=args.batch_size,
+                 seed=args.seed, budget_cpu_minutes=kin["cpu_minutes"], settings=settings[policy] + extra_settings.get(policy, []))  # fmt: skip
+        if variant != policy:
+            print(f"{policy}: {variant} ({', '.join(extra_settings[policy])} on top of {settings[policy]})", flush=True)
         for name, folder in ((policy, arm), (f"{policy}@cpu", budget)):
             peer = PeerProcess(args.lerobot_python, folder)
             try:
                 results = evaluate_arm(folder, lambda: peer, **common)
             finally:
                 peer.close()
-            rows[name] = {**summary(results, peer.info["cpu_minutes"], peer.info["steps"]), "parameters": peer.info["parameters"]}
+            rows[name] = {**summary(results, peer.info["cpu_minutes"], peer.info["steps"]), "parameters": peer.info["parameters"],
+                          "settings": settings[policy] + extra_settings.get(policy, [])}  # fmt: skip
         print(json.dumps({policy: rows[policy], f"{policy}@cpu": rows[f"{policy}@cpu"]}), flush=True)
     peers = [rows[p]["success"] for p in PEERS if p in rows]
     best = max(peers) if peers else None
