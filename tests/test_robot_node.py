@@ -859,6 +859,7 @@ def test_a_swapped_in_policy_acts_from_its_first_chunk_and_no_chunk_of_the_old_o
             step(node, fake, clock)
             wait_result(node)
         gate.clear()
+        old.started.clear()  # set by chunk 0's prediction: wait for chunk 1's to begin, not merely to be queued
         step(node, fake, clock)  # tick 4 asks the old policy for chunk 1, which is held mid-prediction
         assert old.started.wait(5)
         swapped = threading.Event()
