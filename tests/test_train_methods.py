@@ -38,6 +38,32 @@ def test_each_method_reproduces_its_recorded_round(tmp_path: Path, name: str):
     assert not differ, f"{differ} (got, recorded in {path.name} at {tol})"
     # the weights' fingerprints sum thousands of weights: ISA noise moves them by ~1e-7 of their size, a change by far more
     assert same(got["online"], expected["online"]) and same(got["acting"], expected["acting"]), (got, expected)
+    checkpoints = tmp_path / name / "checkpoints"
+    assert_eval_and_deploy_act_alike(checkpoints / "final" if (checkpoints / "final").is_dir() else checkpoints / "sft")
+
+
+def assert_eval_and_deploy_act_alike(checkpoint: Path) -> None:
+    """`kinema eval`'s runner and `kinema deploy`'s policy (`CheckpointPolicy`, as `kinema sim render` also loads
+    through `load_acting`) give the same actions for the same observation and noise, whatever the method."""
+    import numpy as np
+
+    from kinema.robot_policies import CheckpointPolicy
+    from kinema.train.acting import load_acting
+    from sim.rollout import make_vector
+
+    evaluated, deployed = load_acting(checkpoint), CheckpointPolicy(load_acting(checkpoint))
+    vector = make_vector("drawer", 2, image_size=evaluated.policy.config.image_size, instructions="train", objects="train")
+    try:
+        obs = {k: v for k, v in [vector.reset_at(0, 1_000_000)[0], vector.reset_at(1, 1_000_001)[0]][1].items()}
+    finally:
+        vector.close()
+    runner = evaluated.acting.make()
+    torch.manual_seed(0)
+    by_eval = runner(obs)
+    torch.manual_seed(0)
+    by_deploy = deployed.predict_action_chunk(obs)[:, : by_eval.shape[1]]
+    assert deployed.description == evaluated.acting.description
+    np.testing.assert_allclose(by_deploy, by_eval, atol=1e-6, err_msg=f"{checkpoint}: {evaluated.acting.description}")
 
 
 @pytest.mark.slow
