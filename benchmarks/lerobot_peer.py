@@ -175,6 +175,11 @@ def train(args: argparse.Namespace) -> None:
               "episodes": meta.total_episodes, "seed": args.seed, "threads": args.threads,
               "instruction_feature": f"{ENV_STATE}: {INSTRUCTION_DIM}-wide signed hashed bag of words"}  # fmt: skip
     budget_s = args.budget_cpu_minutes * 60 if args.budget_cpu_minutes else None
+
+    def save(out: Path, steps: int) -> None:
+        cpu, wall = time.process_time() - started_cpu, time.monotonic() - started_wall
+        _save(policy, pre, post, out, {**record, "steps": steps, "cpu_minutes": round(cpu / 60, 2), "wall_minutes": round(wall / 60, 2)})
+
     policy.train()
     losses = []
     for step in range(1, args.steps + 1):
@@ -186,20 +191,16 @@ def train(args: argparse.Namespace) -> None:
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         cpu = time.process_time() - started_cpu
         if step % 50 == 0 or step == args.steps:
             print(json.dumps({"step": step, "loss": sum(losses[-50:]) / len(losses[-50:]), "cpu_minutes": round(cpu / 60, 2)}), flush=True)
         if budget_s is not None and cpu >= budget_s:
-            _save(policy, pre, post, Path(args.budget_out), {**record, "steps": step, "cpu_minutes": round(cpu / 60, 2),
-                                                            "wall_minutes": round((time.monotonic() - started_wall) / 60, 2)})  # fmt: skip
+            save(Path(args.budget_out), step)
             budget_s = None
-    cpu = time.process_time() - started_cpu
     if budget_s is not None:  # the budget was never reached: the equal-CPU arm is the whole run
-        _save(policy, pre, post, Path(args.budget_out), {**record, "steps": args.steps, "cpu_minutes": round(cpu / 60, 2),
-                                                        "wall_minutes": round((time.monotonic() - started_wall) / 60, 2)})  # fmt: skip
-    _save(policy, pre, post, Path(args.out), {**record, "steps": args.steps, "cpu_minutes": round(cpu / 60, 2),
-                                              "wall_minutes": round((time.monotonic() - started_wall) / 60, 2)})  # fmt: skip
+        save(Path(args.budget_out), args.steps)
+    save(Path(args.out), args.steps)
 
 
 class Peer:

@@ -304,15 +304,12 @@ def _check_choice_keys(data: Any, overrides: list[str], config_class: type) -> N
         given = _group_data(data, prefix)
         keys = {k: "in the config file" for k in (given if isinstance(given, dict) else {})}
         chosen = given.get("type") if isinstance(given, dict) and "type" in given else base.default_choice_name()
-        for arg in overrides:
-            dotted, _, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        for i, arg in enumerate(overrides):  # --policy.type video | --policy.type=video; the last one wins
+            dotted, sep, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
             if dotted.startswith(prefix) and "." not in dotted[len(prefix):]:
                 keys[dotted[len(prefix):]] = "on the command line"
-        for i, arg in enumerate(overrides):  # --policy.type video | --policy.type=video; the last one wins
-            if arg == f"--{prefix}type" and i + 1 < len(overrides):
-                chosen = overrides[i + 1]
-            elif arg.startswith(f"--{prefix}type="):
-                chosen = arg.split("=", 1)[1]
+            if dotted == f"{prefix}type" and (sep or i + 1 < len(overrides)):
+                chosen = value if sep else overrides[i + 1]
         known = base.get_known_choices()
         if chosen not in known:
             raise ValueError(f"{prefix}type {chosen!r} is not known; valid: {', '.join(known)}")
