@@ -15,7 +15,9 @@ from typing import Any
 POLICY_TYPES: dict[str, tuple[str, str, str]] = {
     "vla": ("policies.vla", "VLAConfig", "VLAPolicy"),
     "video": ("policies.video_policy", "VideoPolicyConfig", "VideoPolicy"),
+    "smolvla": ("policies.smolvla", "SmolVLAConfig", "SmolVLAPolicy"),
 }
+LEROBOT_TYPES = {"smolvla": "smolvla"}  # a LeRobot checkpoint's config.json "type" -> the kinema type that loads it
 
 
 def policy_classes(policy_type: str) -> tuple[type, type]:
@@ -36,7 +38,8 @@ def load_policy(directory: str | os.PathLike, **kwargs: Any) -> Any:
     """The policy saved in `directory` (`save_pretrained`), whatever its type; kwargs go to its `from_pretrained`."""
     from policies.checkpoint import load_checkpoint_config
 
-    policy_type = load_checkpoint_config(directory).get("policy_type", "vla")
+    config = load_checkpoint_config(directory)
+    policy_type = config.get("policy_type") or LEROBOT_TYPES.get(config.get("type", ""), "vla")
     return policy_classes(policy_type)[1].from_pretrained(str(directory), **kwargs)
 
 

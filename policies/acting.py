@@ -51,6 +51,11 @@ class ChunkedActing:
 
     _queue: deque[np.ndarray]
 
+    def context_features(self, context: Any) -> Tensor:
+        """The critics' features (`features(batch)`) of a context from `encode(batch)[0]`, what `predict_action_chunk`
+        and `flow_loss` take as `context=`: a runner that needs both encodes once. The VLA's context is its features."""
+        return context
+
     def reset(self) -> None:
         self._queue.clear()
 

@@ -126,7 +126,8 @@ class StepBuffer:
         return out
 
     def stats(self) -> dict[str, dict[str, np.ndarray]]:
-        out = {"observation.state": {"mean": self.state.mean(0), "std": self.state.std(0)}}
+        out = {"observation.state": {"mean": self.state.mean(0), "std": self.state.std(0)},
+               "action": {"mean": self.action.mean(0), "std": self.action.std(0)}}  # fmt: skip
         if self.aux is not None:
             out["aux"] = {"mean": self.aux.mean(0), "std": self.aux.std(0)}
         return out

@@ -159,6 +159,24 @@ class PolicyOptions(draccus.ChoiceRegistry):
         mapping from these keys to the policy."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ema_decay"}
 
+    def check(self) -> None:
+        """The policy's own rules (its config class), checked when the config loads rather than after the demos are
+        collected."""
+        config_class = self.config_class()
+        try:
+            config_class(**self.policy_fields())
+        except ValueError as err:
+            raise ValueError(str(err).replace(f"{config_class.__name__}.", "policy.")) from None
+
+    def make(self, *, cameras: tuple[str, ...], aux_dim: int, tasks: list[str], stats: dict[str, Any]) -> Any:
+        """The run's new policy: its config from these options, normalised by the demonstrations' stats."""
+        from policies import make_policy
+
+        config = self.config_class()(**self.policy_fields(), cameras=cameras, aux_dim=aux_dim, extra={"tasks": tasks})
+        policy = make_policy(self.type, config)
+        policy.set_normalization(stats)
+        return policy
+
 
 @PolicyOptions.register_subclass("vla")
 @dataclass
@@ -189,6 +207,66 @@ class VideoPolicyOptions(PolicyOptions):
     generator_path: str = ""  # a local diffusers-layout Wan folder (LoRA-tuned); empty: the tiny random Wan stack
     lora_rank: int = 8  # generator_path only: LoRA rank on the pretrained transformer (the tiny one trains fully)
     planning_candidates: int = 1  # best-of-N chunks ranked by predicted value; 1: no planning
+
+
+@PolicyOptions.register_subclass("smolvla")
+@dataclass
+class SmolVLAOptions(PolicyOptions):
+    """A LeRobot SmolVLA checkpoint (policies/smolvla), post-trained as it is: `--policy.checkpoint FOLDER` (LeRobot's
+    folder, or a kinema run's checkpoint of one) and `--policy.vlm_path` (a local copy of its VLM's config and
+    tokenizer). The shared keys at 0 keep the checkpoint's own values."""
+
+    chunk_size: int = 0  # the checkpoint's (an architecture field: another value is refused)
+    n_action_steps: int = 0  # actions executed per chunk; 0: the checkpoint's
+    num_flow_steps: int = 0  # Euler steps; 0: the checkpoint's num_steps
+    checkpoint: str = ""  # the SmolVLA folder to start from (config.json, model.safetensors, policy_*processor files)
+    vlm_path: str = ""  # the VLM's config.json and tokenizer, locally; empty: the checkpoint's vlm_model_name if local
+    camera_map: dict[str, str] = field(default_factory=dict)  # kinema camera -> the checkpoint's image feature
+    trainable: str = "expert"  # "expert": the action expert and its projections (LeRobot's default) | "vlm": its text layers too | "all": everything
+    # checkpoint: keep the normalisation stats it was trained with | dataset: the run's demonstrations' (a SmolVLA that
+    # never saw this task's state and action ranges, e.g. trained from scratch here)
+    normalization: str = "checkpoint"
+
+    def policy_fields(self) -> dict[str, Any]:
+        """The options that set fields of the SmolVLA's config (by their names there); 0 and "" keep the checkpoint's."""
+        fields = {"image_size": self.image_size, "chunk_size": self.chunk_size, "n_action_steps": self.n_action_steps,
+                  "num_steps": self.num_flow_steps, "vlm_path": self.vlm_path, "camera_map": dict(self.camera_map),
+                  "trainable": self.trainable}  # fmt: skip
+        return {k: v for k, v in fields.items() if v or k == "chunk_size"}
+
+    def check(self) -> None:
+        from policies.smolvla.configuration_smolvla import TRAINABLE
+
+        if not self.checkpoint:
+            raise ValueError("policy.type smolvla post-trains an existing checkpoint: set policy.checkpoint to a local "
+                             "LeRobot SmolVLA folder (config.json, model.safetensors, policy_*processor files)")  # fmt: skip
+        if not (Path(self.checkpoint) / "config.json").is_file():
+            raise ValueError(f"policy.checkpoint {self.checkpoint!r} has no config.json; expected a local LeRobot SmolVLA folder")
+        if self.trainable not in TRAINABLE:
+            raise ValueError(f"policy.trainable must be one of {list(TRAINABLE)}; got {self.trainable!r}")
+        if self.normalization not in ("checkpoint", "dataset"):
+            raise ValueError(f"policy.normalization must be 'checkpoint' or 'dataset'; got {self.normalization!r}")
+        for name in ("chunk_size", "n_action_steps", "num_flow_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"policy.{name} must be >= 0 (0: the checkpoint's); got {getattr(self, name)}")
+
+    def make(self, *, cameras: tuple[str, ...], aux_dim: int, tasks: list[str], stats: dict[str, Any]) -> Any:
+        """The checkpoint, loaded; it keeps the normalisation it was trained with, and must fit the task's state."""
+        from policies.smolvla import SmolVLAPolicy
+
+        fields = self.policy_fields()
+        chunk_size = fields.pop("chunk_size")
+        policy = SmolVLAPolicy.from_pretrained(self.checkpoint, **fields)
+        config = policy.config
+        if chunk_size and chunk_size != config.chunk_size:
+            raise ValueError(f"policy.chunk_size {chunk_size}: the checkpoint {self.checkpoint} predicts chunks of {config.chunk_size} (set 0 or that)")
+        state_dim = len(stats["observation.state"]["mean"])
+        if state_dim != config.state_dim:
+            raise ValueError(f"the task's observation.state has {state_dim} values; the SmolVLA checkpoint {self.checkpoint} was trained on {config.state_dim}")
+        config.extra["tasks"] = [*config.extra.get("tasks", []), *(t for t in tasks if t not in config.extra.get("tasks", []))]
+        if self.normalization == "dataset":
+            policy.set_normalization(stats)
+        return policy
 
 
 @dataclass
@@ -242,6 +320,9 @@ class TrainConfig:
         if self.policy.type not in METHODS[self.rl.method].policy_types:  # each method says which policy types it trains
             supported = [name for name, method in METHODS.items() if self.policy.type in method.policy_types]
             raise ValueError(f"rl.method {self.rl.method!r} does not train a {self.policy.type!r} policy; valid for it: {', '.join(supported)}")
+        if self.policy.type == "smolvla" and self.init_policy:
+            raise ValueError("policy.type smolvla starts from policy.checkpoint (a LeRobot SmolVLA folder, or a kinema run's "
+                             f"checkpoint of one); init_policy {self.init_policy!r} has no part: name it as policy.checkpoint")  # fmt: skip
         METHODS[self.rl.method].check_config(self)
         if self.rl.replay_mixing not in REPLAY_MIXING:
             raise ValueError(f"rl.replay_mixing {self.rl.replay_mixing!r} is not known; valid: {', '.join(REPLAY_MIXING)}")
@@ -287,10 +368,13 @@ class TrainConfig:
                              f"{self.rollout.ray_workers}, {self.rollout.gpus_per_worker}, {self.ray.num_cpus}")
         if self.ray.object_store_mb < 75:  # Ray refuses a smaller store
             raise ValueError(f"ray.object_store_mb must be >= 75; got {self.ray.object_store_mb}")
-        if self.eval.noise_scale < 0 or (self.eval.noise_scale != 1.0 and self.policy.type != "vla"):
+        from policies import policy_classes
+
+        scales_noise = policy_classes(self.policy.type)[1].scales_initial_noise
+        if self.eval.noise_scale < 0 or (self.eval.noise_scale != 1.0 and not scales_noise):
             raise ValueError(f"eval.noise_scale scales the VLA's initial flow noise and must be >= 0 (1: sampled, 0: zero noise); "
                              f"got {self.eval.noise_scale} with policy.type {self.policy.type}")
-        if self.rl.rollout_noise_scale < 0 or (self.rl.rollout_noise_scale != 1.0 and self.policy.type != "vla"):
+        if self.rl.rollout_noise_scale < 0 or (self.rl.rollout_noise_scale != 1.0 and not scales_noise):
             raise ValueError(f"rl.rollout_noise_scale scales the VLA's initial flow noise in the rollouts and must be >= 0 "
                              f"(1: sampled, 0: zero noise); got {self.rl.rollout_noise_scale} with policy.type {self.policy.type}")
         if self.demos.weighting not in DEMO_WEIGHTINGS:
@@ -305,12 +389,7 @@ class TrainConfig:
             raise ValueError(f"demos.episodes must be >= 1 (or give a dataset); got {self.demos.episodes}")
         if not 0.0 <= self.policy.ema_decay < 1.0:
             raise ValueError(f"policy.ema_decay must be in [0, 1) (0: no average); got {self.policy.ema_decay}")
-        # The policy's own rules (its config class), checked now rather than after the demos are collected.
-        config_class = self.policy.config_class()
-        try:
-            config_class(**self.policy.policy_fields())
-        except ValueError as err:
-            raise ValueError(str(err).replace(f"{config_class.__name__}.", "policy.")) from None
+        self.policy.check()
 
     def run_dir(self) -> Path:
         return Path(self.out or f"runs/{self.task}-{self.rl.method}-s{self.seed}")

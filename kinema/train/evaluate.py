@@ -146,8 +146,9 @@ class SelectChunkPolicy(ChunkPolicy):
             noise = torch.randn(B, N, cfg.chunk_size, cfg.action_dim, device=self.policy.device)
         if self.noise_scale != 1.0:
             noise = torch.cat([noise[:, :1] * self.noise_scale, noise[:, 1:]], dim=1)
-        features = self.policy.features(batch)
-        context = features.repeat_interleave(N, dim=0)
+        context = self.policy.encode(batch)[0]
+        features = self.policy.context_features(context)
+        context = context.repeat_interleave(N, dim=0)
         chunks = self.policy.predict_action_chunk(batch, noise=noise.flatten(0, 1), context=context).reshape(B, N, cfg.chunk_size, cfg.action_dim)
         self.critic.eval()
         chunks = refine_chunks(self.critic, features, chunks, steps=self.refine_steps, step_size=self.step_size)
@@ -170,12 +171,13 @@ class SteeredChunkPolicy(ChunkPolicy):
         B = len(batch["task"])
         cfg = self.policy.config
         eps = self._episode_noise(B)
-        features = self.policy.features(batch)
+        context = self.policy.encode(batch)[0]
+        features = self.policy.context_features(context)
         self.actor.eval()
         noise, _ = self.actor(features, deterministic=self.deterministic, eps=None if eps is None else eps.flatten(1))
         if self.record:
             self._last = (None, {"noise": noise.cpu()})
-        return self.policy.predict_action_chunk(batch, noise=noise.reshape(B, cfg.chunk_size, cfg.action_dim), context=features)
+        return self.policy.predict_action_chunk(batch, noise=noise.reshape(B, cfg.chunk_size, cfg.action_dim), context=context)
 
 
 class ResidualChunkPolicy(ChunkPolicy):
@@ -198,8 +200,9 @@ class ResidualChunkPolicy(ChunkPolicy):
         noise = self._episode_noise(B, samples=2)
         if noise is None:
             noise = torch.randn(B, 2, cfg.chunk_size, cfg.action_dim, device=self.policy.device)
-        features = self.policy.features(batch)
-        chunk = self.policy.predict_action_chunk(batch, noise=noise[:, 0] * self.noise_scale, context=features)
+        context = self.policy.encode(batch)[0]
+        features = self.policy.context_features(context)
+        chunk = self.policy.predict_action_chunk(batch, noise=noise[:, 0] * self.noise_scale, context=context)
         base = chunk[:, :n].flatten(1)
         self.actor.eval()
         z, _ = self.actor(torch.cat([features, base], dim=-1), deterministic=self.deterministic, eps=noise[:, 1, :n].flatten(1))

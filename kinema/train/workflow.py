@@ -46,7 +46,7 @@ from kinema.train.progress import RunPace, RunProgress, planned_work, round_line
 from kinema.train.report import record_video_grid, write_before_after, write_curves, write_diagnostics, write_report
 from kinema.train.robot_rounds import RobotRounds
 from kinema.train.success import RolloutSuccessModel
-from policies import load_policy, make_policy
+from policies import load_policy
 from policies.checkpoint import METHOD_FILE, load_checkpoint_config, set_aside
 from sim.env import CAMERAS
 from sim.experts import ExpertConfig
@@ -225,16 +225,15 @@ def _train(
 
     # 3. Policy and SFT ------------------------------------------------------------------------------------------------
     aux_dim = demo_buffer.aux.shape[1] if (demo_buffer.aux is not None and cfg.sft.aux_weight > 0) else 0
-    policy_config = cfg.policy.config_class()(**cfg.policy.policy_fields(), cameras=cameras, aux_dim=aux_dim, extra={"tasks": [cfg.task]})
-    policy = make_policy(cfg.policy.type, policy_config)
-    policy.set_normalization(demo_buffer.stats())
+    policy = cfg.policy.make(cameras=cameras, aux_dim=aux_dim, tasks=[cfg.task], stats=demo_buffer.stats())
+    aux_dim = policy.config.aux_dim
     distributed.broadcast_module(policy)  # every rank starts from rank 0's weights
     # `policy` trains; `acting` (its average, or itself when the decay is 0) collects rollouts, is evaluated and saved.
     decay = cfg.policy.ema_decay if method_class.acts_with_average else 0.0
     sft_steps = 0
     if latest:
         acting = load_policy(run.root / latest)
-        policy = make_policy(cfg.policy.type, acting.config)
+        policy = copy.deepcopy(acting)  # its trained weights come from trainer.pt below
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=cfg.sft.weight_decay)
     else:
         if cfg.init_policy:

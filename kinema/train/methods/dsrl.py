@@ -71,6 +71,7 @@ class DSRLOptions(SACOptions):
 
 class DSRL(RLMethod):
     name = "dsrl"
+    policy_types = ("vla", "smolvla")  # a separate action expert (SmolVLA's: its own transformer)
     summary = "diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen (optionally distilled)"
     options_key = "dsrl"
     options_class = DSRLOptions

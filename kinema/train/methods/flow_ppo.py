@@ -52,6 +52,7 @@ class PPOOptions:
 
 class FlowPPO(RLMethod):
     name = "flow_ppo"
+    policy_types = ("vla", "smolvla")  # a separate action expert (SmolVLA's: its own transformer)
     summary = "Flow-SDE PPO (πRL / Flow-GRPO): GRPO groups, or GAE with a value critic (rl.ppo.advantage)"
     options_key = "ppo"
     options_class = PPOOptions

@@ -52,6 +52,7 @@ class NFTOptions:
 
 class NFT(RLMethod):
     name = "nft"
+    policy_types = ("vla", "smolvla")  # a separate action expert (SmolVLA's: its own transformer)
     summary = "DiffusionNFT: successes pull the action expert towards their chunks, failures push it away"
     options_key = "nft"
     options_class = NFTOptions

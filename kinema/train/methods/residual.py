@@ -50,6 +50,7 @@ class ResidualOptions(SACOptions):
 
 class Residual(DSRL):
     name = "residual"
+    policy_types = ("vla", "smolvla")  # a separate action expert (SmolVLA's: its own transformer)
     summary = "residual RL: SAC on a bounded correction to the frozen VLA's executed steps (ResiP, Policy Decorator)"
     options_key = "residual"
     options_class = ResidualOptions
