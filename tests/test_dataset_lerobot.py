@@ -437,18 +437,45 @@ LEROBOT_SIDE = textwrap.dedent('''
             np.savez(arg, **out)
             with open(arg + ".json", "w") as fh:
                 json.dump(meta, fh)
-        print("ok", cmd)
 
-    main(*sys.argv[1:4])
+    # One process serves every call of a test module (its imports take seconds): a command per stdin line.
+    for line in sys.stdin:
+        try:
+            main(*json.loads(line))
+            print(json.dumps({"ok": True}), flush=True)
+        except Exception:
+            import traceback
+            print(json.dumps({"ok": False, "error": traceback.format_exc()}), flush=True)
 ''')
+_server: subprocess.Popen | None = None
 
 
 def lerobot(tmp_path: Path, *args: str) -> None:
-    script = tmp_path / "lerobot_side.py"
-    script.write_text(LEROBOT_SIDE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"OMP_NUM_THREADS": "1"}
-    out = subprocess.run([LEROBOT_PYTHON, str(script), *args], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
+    """Run one command on LeRobot's side (create / append / dump), in the module's LeRobot process."""
+    global _server
+    if _server is None or _server.poll() is not None:
+        script = tmp_path / "lerobot_side.py"
+        script.write_text(LEROBOT_SIDE)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"OMP_NUM_THREADS": "1"}
+        _server = subprocess.Popen([LEROBOT_PYTHON, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    _server.stdin.write(json.dumps(list(args)) + "\n")
+    _server.stdin.flush()
+    reply = ""
+    while not reply.startswith("{"):  # LeRobot's own prints come first
+        reply = _server.stdout.readline()
+        assert reply, f"LeRobot's side exited ({_server.poll()}) during {args[0]}"
+    answer = json.loads(reply)
+    assert answer["ok"], answer["error"][-4000:]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_lerobot_side():
+    yield
+    global _server
+    if _server is not None:
+        _server.stdin.close()
+        _server.wait(timeout=60)
+        _server = None
 
 
 def lerobot_spec(episodes: list[Episode], path: Path, features: dict | None = None) -> str:
@@ -498,7 +525,7 @@ def check_lerobot_view(tmp_path: Path, root: Path, expected: list[Episode]) -> d
     return meta
 
 
-@pytest.mark.slow  # ~90 s on 2 cores: every LeRobot call starts torch and `datasets` anew
+@pytest.mark.slow  # 15-40 s on 2 cores: LeRobot writes and decodes video; its process serves the module
 @needs_lerobot
 def test_lerobot_appends_to_a_kinema_dataset_and_both_read_everything(tmp_path):
     ours = [small(s, t=10 + s) for s in range(2)]
@@ -521,7 +548,7 @@ def test_lerobot_appends_to_a_kinema_dataset_and_both_read_everything(tmp_path):
     assert stray_files(root) == []
 
 
-@pytest.mark.slow  # ~90 s on 2 cores: every LeRobot call starts torch and `datasets` anew
+@pytest.mark.slow  # 15-40 s on 2 cores: LeRobot writes and decodes video; its process serves the module
 @needs_lerobot
 def test_kinema_appends_to_a_lerobot_dataset_and_both_read_everything(tmp_path):
     theirs = [lerobot_made(30, 9), lerobot_made(31, 6)]
@@ -550,7 +577,7 @@ def test_kinema_appends_to_a_lerobot_dataset_and_both_read_everything(tmp_path):
     check_lerobot_view(tmp_path, root, [*theirs, *ours, *last])
 
 
-@pytest.mark.slow  # ~90 s on 2 cores: every LeRobot call starts torch and `datasets` anew
+@pytest.mark.slow  # 15-40 s on 2 cores: LeRobot writes and decodes video; its process serves the module
 @needs_lerobot
 def test_lerobot_appends_to_an_upgraded_legacy_dataset(tmp_path):
     ours = [small(s, t=9) for s in range(2)]
