@@ -198,7 +198,8 @@ class VLMWithExpert(nn.Module):
         """The VLM's text layers over the prefix; every layer's keys and values kept for the expert."""
         mask = attention_mask_2d(pad, blocks)
         positions = torch.cumsum(pad.long(), dim=1) - 1
-        keys, values, hidden = [], [], embeddings
+        text = self.vlm_model.text_model
+        keys, values, hidden = [], [], embeddings.to(text.norm.weight.dtype)  # the VLM's stream in its own dtype
         for layer in self.vlm_model.text_model.layers:
             q, k, v = _project(layer, layer.input_layernorm(hidden))
             k = rope(k, positions)
@@ -230,8 +231,8 @@ class VLMWithExpert(nn.Module):
             else:
                 q, k, v = _project(layer, normed)
                 positions = offsets + steps
-                keys = torch.cat([prefix.keys[index], rope(k, positions)], dim=1)
-                values = torch.cat([prefix.values[index], v], dim=1)
+                keys = torch.cat([prefix.keys[index].to(k.dtype), rope(k, positions)], dim=1)
+                values = torch.cat([prefix.values[index].to(v.dtype), v], dim=1)
                 mask = torch.cat([see_prefix, causal[None].expand(B, Ls, Ls)], dim=2)
                 out = attend(rope(q, positions), keys, values, mask)
             hidden = _finish(layer, hidden, out)
@@ -251,7 +252,7 @@ def _project(layer: nn.Module, normed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def _finish(layer: nn.Module, residual: Tensor, attention: Tensor) -> Tensor:
     """Output projection and residual, then the MLP block and its residual (a Llama decoder layer's second half)."""
     hidden = layer.self_attn.o_proj(attention.to(layer.self_attn.o_proj.weight.dtype)) + residual
-    return layer.mlp(layer.post_attention_layernorm(hidden)) + hidden
+    return layer.mlp(layer.post_attention_layernorm(hidden).to(layer.mlp.down_proj.weight.dtype)) + hidden
 
 
 class SmolVLAFlowModel(nn.Module):
