@@ -110,7 +110,7 @@ def measure(policy, args, device: str) -> dict:
         "step_s": round(sorted(times)[len(times) // 2], 4),
         "chunk_ms": round(1000 * sorted(latencies[1:])[len(latencies[1:]) // 2], 2),
         "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None,
-        "loss": round(float(loss), 4),
+        "loss": round(float(loss.detach()), 4),
         "_chunk": chunk.float().cpu(),
     }
 

@@ -89,6 +89,11 @@ env steps, in four forms: its SFT, its SFT with best-of-N planning, RL (`--video
 with planning, beside its own continued-SFT control; the JSON gains `video`, `video_planning` and `latency_ms`
 (batch-1 chunk latency of the VLA, the video policy and the video policy with planning).
 
+With `--policies vla,smolvla` a SmolVLA joins the same way (policies/smolvla: LeRobot's architecture; by default the
+tiny test fixture's, random, so its SFT trains everything with the demos' normalisation): its SFT, its RL arm
+(`--smolvla-method`) and its continued-SFT control, both from its SFT's checkpoint; the JSON gains
+`smolvla.<arm>.success` (sft, rl, sft_continued), `smolvla.rl_margin_over_control` (paired) and its latency.
+
 Runs are folders under --out; a finished run is reused and an interrupted one resumed, so a killed benchmark
 continues where it stopped and more seeds or methods can be added later.
 """
@@ -448,12 +453,17 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs trained at once, as subprocesses (1: one after another in this process). SFTs first, "
                         "then every method; each run uses one torch thread plus its env workers, so about cores / 2")
-    parser.add_argument("--policies", default="vla", help="vla, or vla,video: also the video policy's four forms")
+    parser.add_argument("--policies", default="vla", help="vla, and video (the video policy's four forms) or smolvla")
     parser.add_argument("--video-method", default="habc", help="the video policy's RL arm (its control is sft_continued)")
     parser.add_argument("--planning", type=int, default=4, help="candidate chunks of the video policy's planning forms")
+    parser.add_argument("--smolvla-method", default="habc", help="the SmolVLA's RL arm (its control is sft_continued)")
+    fixture = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "smolvla"
+    parser.add_argument("--smolvla-checkpoint", default=str(fixture / "tiny-smolvla"),
+                        help="the SmolVLA the smolvla arms start from (default: the tiny test fixture, random weights)")
+    parser.add_argument("--smolvla-vlm-path", default=str(fixture / "tiny-smolvlm"))
     args, overrides = parser.parse_known_args()
-    if unknown := set(args.policies.split(",")) - {"vla", "video"}:
-        parser.error(f"--policies: unknown {sorted(unknown)}; valid: vla, video")
+    if unknown := set(args.policies.split(",")) - {"vla", "video", "smolvla"}:
+        parser.error(f"--policies: unknown {sorted(unknown)}; valid: vla, video, smolvla")
     tasks = ["drawer"] if args.quick else args.tasks.split(",")
     if args.seeds < 1 or args.first_seed < 0:
         parser.error(f"--seeds must be >= 1 and --first-seed >= 0; got {args.seeds} and {args.first_seed}")
@@ -522,6 +532,10 @@ def main() -> None:
     video = "video" in args.policies.split(",")
     if video:  # the video policy's SFT on the VLA's demonstrations, then its arms beside the VLA's
         arm_jobs += _video_jobs(out, regimes[0], tasks, seeds, starts, configs, base_overrides, args.video_method, args.start, args.jobs)
+    smolvla = "smolvla" in args.policies.split(",")
+    if smolvla:
+        arm_jobs += _smolvla_jobs(out, regimes[0], tasks, seeds, starts, configs, base_overrides, args.smolvla_method, args.start,
+                                  args.jobs, args.smolvla_checkpoint, args.smolvla_vlm_path)  # fmt: skip
     run_jobs(arm_jobs, jobs_at_once=args.jobs, logs=out / "logs")
 
     # 2. The tables, from the runs' metrics: the first regime's at the top level, each other's under regimes.<name>.
@@ -539,6 +553,8 @@ def main() -> None:
     summary = blocks[regimes[0]]
     if video:  # on the first regime's demonstrations
         summary.update(_video_summary(out, regimes[0], tasks, seeds, starts, args.video_method, args.planning, summary["per_task_success"]))
+    if smolvla:
+        summary.update(_smolvla_summary(out, regimes[0], tasks, seeds, starts, args.smolvla_method, summary["per_task_success"]))
     if len(regimes) > 1:
         summary["regimes"] = {r: blocks[r] for r in regimes[1:]}
     # Wall minutes of this invocation (runs finished earlier and reused count zero), with the jobs it ran at once.
@@ -723,31 +739,94 @@ def _video_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides
     control."""
     if start:
         raise SystemExit("--policies video branches from the benchmark's own SFT; drop --start")
-    video = ["--policy.type", "video"]
+    return _other_policy_jobs(out, regime, tasks, seeds, starts, configs, overrides, method, jobs_at_once, prefix="video",
+                              policy=["--policy.type", "video"], sft=[], branch=lambda ckpt: ["--init_policy", str(ckpt)])  # fmt: skip
+
+
+def _smolvla_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides, method, start, jobs_at_once,
+                  checkpoint: str, vlm_path: str) -> list[Job]:  # fmt: skip
+    """SmolVLA from `checkpoint` (by default the tiny test fixture: random, so everything trains and the stats are the
+    demos'), SFT on the VLA SFT's demonstrations, then its RL arm and its control, each from the SFT's checkpoint."""
+    if start:
+        raise SystemExit("--policies smolvla branches from the benchmark's own SFT; drop --start")
+    policy = ["--policy.type", "smolvla", "--policy.vlm_path", vlm_path]
+    sft = ["--policy.checkpoint", checkpoint, "--policy.trainable", "all", "--policy.normalization", "dataset"]
+    return _other_policy_jobs(out, regime, tasks, seeds, starts, configs, overrides, method, jobs_at_once, prefix="smolvla",
+                              policy=policy, sft=sft, branch=lambda ckpt: ["--policy.checkpoint", str(ckpt)])  # fmt: skip
+
+
+def _other_policy_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides, method, jobs_at_once, *, prefix: str,
+                       policy: list[str], sft: list[str], branch) -> list[Job]:  # fmt: skip
+    """Another policy type beside the VLA on the VLA SFT's demonstrations (of `regime`): its SFT (trained here, before
+    the arms: `<prefix>_sft`), then its RL arm (`<prefix>_rl`) and its control (`<prefix>_sft_continued`), both
+    branched from that SFT's checkpoint by `branch(checkpoint)`."""
     sfts = []
     for task in tasks:
         for seed in seeds:
-            run = _task_dir(out, regime, task, seed) / "video_sft"
+            run = _task_dir(out, regime, task, seed) / f"{prefix}_sft"
             if not _sft_done(run):
                 if run.exists():
-                    set_aside(run, "video_sft-interrupted")
-                sfts.append(Job(run, configs[task], [*overrides, *video, "--task", task, "--seed", str(seed), "--rl.method", "none",
-                                                     "--dataset", str(starts[regime, task, seed] / "demos")]))
+                    set_aside(run, f"{prefix}_sft-interrupted")
+                sfts.append(Job(run, configs[task], [*overrides, *policy, *sft, "--task", task, "--seed", str(seed), "--rl.method",
+                                                     "none", "--dataset", str(starts[regime, task, seed] / "demos")]))  # fmt: skip
     run_jobs(sfts, jobs_at_once=jobs_at_once, logs=out / "logs")
     arms = []
     for task in tasks:
         for seed in seeds:
-            base = _task_dir(out, regime, task, seed) / "video_sft"
-            for name, arm in (("video_rl", method), ("video_sft_continued", "sft_continued")):
+            base = _task_dir(out, regime, task, seed) / f"{prefix}_sft"
+            for name, arm in ((f"{prefix}_rl", method), (f"{prefix}_sft_continued", "sft_continued")):
                 run = _task_dir(out, regime, task, seed) / name
                 if not _final_done(run):
                     if run.exists() and not (run / "state.json").exists():
                         set_aside(run, f"{name}-interrupted")
                     arms.append(Job(run, configs[task], [
-                        *overrides, *video, *METHODS[arm], "--task", task, "--seed", str(seed), "--init_policy",
-                        str(base / "checkpoints" / "sft"), "--dataset", str(starts[regime, task, seed] / "demos"), "--eval.baseline", "false",
+                        *overrides, *policy, *METHODS[arm], "--task", task, "--seed", str(seed), *branch(base / "checkpoints" / "sft"),
+                        "--dataset", str(starts[regime, task, seed] / "demos"), "--eval.baseline", "false",
                     ]))  # fmt: skip
     return arms
+
+
+def _smolvla_summary(out: Path, regime: str, tasks, seeds, starts, method, by_task) -> dict:
+    """smolvla.<arm>.success (sft, rl, sft_continued) with held-out success, the RL arm's margin over its control,
+    CPU-minutes per run, and batch-1 chunk latency beside the VLA's."""
+    from kinema.train.evaluate import ChunkPolicy, batch1_latency_ms
+    from policies import load_policy
+
+    arms = {"sft": ("smolvla_sft", "sft"), "rl": ("smolvla_rl", "final"), "sft_continued": ("smolvla_sft_continued", "final")}
+    rows = {arm: {"success": [], "heldout": [], "cpu": []} for arm in arms}
+    paired = []
+    for task in tasks:
+        for seed in seeds:
+            root = _task_dir(out, regime, task, seed)
+            records = {arm: final_eval(root / run, checkpoint) for arm, (run, checkpoint) in arms.items()}
+            for arm, rec in records.items():
+                rows[arm]["success"].append((rec["train/success"], rec["train/episodes"]))
+                held = [rec[f"{s}/success"] for s in ("heldout_instructions", "heldout_objects") if f"{s}/success" in rec]
+                if held:
+                    rows[arm]["heldout"].append(float(np.mean(held)))
+                rows[arm]["cpu"].append(_run_cpu_minutes(root / arms[arm][0]) or 0.0)
+                by_task[task].setdefault(f"smolvla_{arm}", []).append(rec["train/success"])
+            paired.append(records["rl"]["train/success"] - records["sft_continued"]["train/success"])
+    for task in tasks:
+        for arm in arms:
+            by_task[task][f"smolvla_{arm}"] = round(float(np.mean(by_task[task][f"smolvla_{arm}"])), 4)
+    vla = load_policy(starts[regime, tasks[0], seeds[0]] / "checkpoints" / "sft")
+    smolvla = load_policy(_task_dir(out, regime, tasks[0], seeds[0]) / "smolvla_sft" / "checkpoints" / "sft")
+    task_config = _run_config(_task_dir(out, regime, tasks[0], seeds[0]) / "smolvla_sft").get("task_config") or None
+    latency = {}
+    for name, policy in (("vla", vla), ("smolvla", smolvla)):
+        latency.update({name: round(ms, 1) for name, ms in batch1_latency_ms({name: ChunkPolicy(policy)}, tasks[0],
+                                                                               image_size=policy.config.image_size, task_config=task_config).items()})  # fmt: skip
+    summary = {arm: {"success": _mean(r["success"]), "success_se": _pooled_se(r["success"]),
+                     "heldout_success": _mean(r["heldout"]), "cpu_minutes": round(float(np.mean(r["cpu"])), 1)}
+               for arm, r in rows.items()}  # fmt: skip
+    summary.update({"method": method, "rl_margin_over_control": round(float(np.mean(paired)), 4),
+                    "rl_margin_over_control_se": round(float(np.std(paired, ddof=1) / math.sqrt(len(paired))), 4) if len(paired) > 1 else None,
+                    "latency_ms": latency})  # fmt: skip
+    print(f"smolvla ({method}): SFT {_pct(summary['sft']['success'], summary['sft']['success_se'])}, RL "
+          f"{_pct(summary['rl']['success'], summary['rl']['success_se'])}, control "
+          f"{_pct(summary['sft_continued']['success'], summary['sft_continued']['success_se'])}; latency {latency}")
+    return {"smolvla": summary}
 
 
 def _planned_eval(run: Path, checkpoint: str, candidates: int) -> dict:
