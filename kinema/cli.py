@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kinema.dataset_commands import run_dataset_command
 
             return run_dataset_command(args)
-        if args.command in ("deploy", "sim-robot"):
+        if args.command in ("deploy", "sim-robot", "robot-contract"):
             from kinema.robot_commands import run_robot_command
 
             return run_robot_command(args)

@@ -73,6 +73,14 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
         "commands",
     )
 
+    contract = sub.add_parser(
+        "robot-contract",
+        help="print a robot config as a Rosetta contract (topics <-> LeRobot features; kinema's own keys under x-kinema)",
+        description="Write a kinema robot YAML as a Rosetta contract that both Rosetta and `kinema deploy --robot` read.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    contract.add_argument("robot", nargs="?", default=DEFAULT_ROBOT, help="robot config YAML (or contract), or a shipped name")
+
     simr = sub.add_parser(
         "sim-robot",
         help="a MuJoCo task as a ROS 2 robot: /joint_states, cameras, position/trajectory commands, success",
@@ -95,9 +103,22 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def robot_contract(args: argparse.Namespace) -> int:
+    import yaml
+
+    from robot.config import load_robot_config
+    from robot.contract import contract_from_robot_config
+
+    robot = load_robot_config(args.robot)
+    sys.stdout.write(f"# {robot.name} as a Rosetta contract (topics <-> LeRobot features), written by `kinema robot-contract`.\n"
+                     "# Rosetta reads the contract and ignores x-kinema; `kinema deploy --robot THIS_FILE` reads both.\n")
+    sys.stdout.write(yaml.safe_dump(contract_from_robot_config(robot), sort_keys=False))
+    return 0
+
+
 def run_robot_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    commands = {"deploy": deploy, "sim-robot": sim_robot}
+    commands = {"deploy": deploy, "sim-robot": sim_robot, "robot-contract": robot_contract}
     if args.command not in commands:
         raise ValueError(f"not a robot command: {args.command!r}")
     # SIGTERM (a supervisor, a test's terminate()) stops as cleanly as Ctrl-C; the caller's handler comes back after.

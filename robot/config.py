@@ -292,8 +292,13 @@ def robot_config_from_dict(data: dict[str, Any], *, source: str = "<dict>") -> R
 
 
 def load_robot_config(name: str | Path = "sim_panda") -> RobotConfig:
+    """A robot YAML, or a Rosetta contract with an `x-kinema` block (robot/contract.py), by path or shipped name."""
+    from robot.contract import is_contract, robot_config_from_contract
+
     path = resolve_robot_path(name)
     data = read_yaml(path) or {}
+    if is_contract(data):
+        return robot_config_from_contract(data, source=str(path.resolve()))
     return robot_config_from_dict(data, source=str(path.resolve()))
 
 

@@ -47,9 +47,11 @@ def assert_in_limits(commands: list[np.ndarray]) -> None:
 def test_a_scripted_policy_completes_episodes_over_dds_and_they_are_recorded(procs, listener, tmp_path):
     _, commands = listener
     sim = procs.start("sim", "sim-robot", "--task", "drawer", "--seed", "0", "--backend", "dds")
+    # deploy reads the robot from its Rosetta contract (robot/contract.py), the sim robot from sim_panda.yaml
     deploy = procs.start(
         "deploy", "deploy", "--policy", "scripted:replay:task=drawer:seed=0", "--backend", "dds",
         "--episodes", "2", "--duration", "15", "--record", str(tmp_path / "rec"),
+        "--robot", str(ROOT / "assets" / "robots" / "sim_panda.contract.yaml"),
     )
     assert procs.wait(deploy, 120) == 0, procs.logs()
     os.kill(sim.pid, signal.SIGTERM)  # what Ctrl-C does: a clean stop, with the sim's counters

@@ -5,6 +5,7 @@ Time is a fake clock the tests advance, and ticks are called directly, so every 
 """
 
 import threading
+from pathlib import Path
 
 import cv2
 import numpy as np
@@ -884,3 +885,41 @@ def test_a_swapped_in_policy_acts_from_its_first_chunk_and_no_chunk_of_the_old_o
     finally:
         gate.set()
         node.close()
+
+
+def test_a_rosetta_contract_describes_the_same_robot_and_contradictions_are_named(tmp_path):
+    """A Rosetta contract (topics <-> LeRobot features) with kinema's x-kinema block reads back to the robot YAML it
+    was written from; the shipped contract is what `kinema robot-contract sim_panda` prints; a contract that
+    contradicts kinema's block, or lacks what the node needs, is refused naming the key."""
+    import copy
+    import dataclasses
+    import subprocess
+    import sys
+
+    import yaml
+
+    from robot.config import load_robot_config
+    from robot.contract import contract_from_robot_config, robot_config_from_contract
+
+    robot = load_robot_config("sim_panda")
+    shipped = Path(__file__).resolve().parent.parent / "assets" / "robots" / "sim_panda.contract.yaml"
+    printed = subprocess.run([sys.executable, "-m", "kinema.cli", "robot-contract", "sim_panda"], capture_output=True, text=True, check=True)
+    assert printed.stdout == shipped.read_text()
+    contract = yaml.safe_load(shipped.read_text())
+    assert contract["observations"]["observation.state"]["select"][0] == "position.joint1"
+    assert dataclasses.replace(load_robot_config(shipped), source="") == dataclasses.replace(robot, source="")
+    trajectory = dataclasses.replace(robot, controller=dataclasses.replace(robot.controller, type="joint_trajectory"))
+    assert robot_config_from_contract(contract_from_robot_config(trajectory)).controller.type == "joint_trajectory"
+
+    def refused(change, match):
+        bad = copy.deepcopy(contract)
+        change(bad)
+        with pytest.raises(ValueError, match=match):
+            robot_config_from_contract(bad, source="bad.yaml")
+
+    refused(lambda c: c["observations"]["observation.state"]["select"].pop(), r"selects positions of .*'finger_joint1'\]; the robot commands")
+    refused(lambda c: c["observations"]["observation.images.wrist"].pop("apply"), r"observation.images.wrist has no `apply: \[resize")
+    refused(lambda c: c["actions"]["action"]["channel"].update(type="geometry_msgs/msg/Twist"), "actions.action is 'geometry_msgs/msg/Twist'")
+    refused(lambda c: c["x-kinema"].update(cameras=[]), r"x-kinema sets \['cameras'\]")
+    refused(lambda c: c.update(policy={}), r"unknown top-level keys \['policy'\]")
+    refused(lambda c: c["x-kinema"]["joints"][0].update(lower=5.0), "joint 'joint1'")
