@@ -97,6 +97,26 @@ def test_the_tiny_vla_runs_unchanged_and_publishes_in_limit_commands(procs, list
     assert_in_limits(commands)
 
 
+@pytest.mark.slow
+def test_a_lerobot_smolvla_runs_unchanged_against_sim_robot(procs, listener, tmp_path):
+    """LeRobot's SmolVLA (the tiny fixture LeRobot's code wrote), saved by kinema with where its VLM lies: `kinema
+    deploy` takes the folder as it takes any checkpoint."""
+    from policies.smolvla import SmolVLAPolicy
+
+    fixture = ROOT / "tests" / "fixtures" / "smolvla"
+    ckpt = tmp_path / "smolvla"
+    SmolVLAPolicy.from_pretrained(fixture / "tiny-smolvla", vlm_path=str(fixture / "tiny-smolvlm")).save_pretrained(ckpt)
+    _, commands = listener
+    procs.start("sim", "sim-robot", "--task", "drawer", "--seed", "0", "--backend", "dds")
+    deploy = procs.start("deploy", "deploy", "--policy", str(ckpt), "--backend", "dds", "--duration", "4")
+    assert procs.wait(deploy, 120) == 0, procs.logs()
+    summary = procs.records("deploy")[-1]
+    assert summary["event"] == "summary" and summary["episodes"] == 1
+    assert summary["stats"]["chunks"] >= 5, summary
+    assert len(commands) >= 20
+    assert_in_limits(commands)
+
+
 def test_the_tiny_video_policy_runs_unchanged_against_sim_robot_for_an_episode(procs, listener, tmp_path):
     from policies.video_policy import VideoPolicy, VideoPolicyConfig
 
