@@ -202,6 +202,7 @@ def test_kinema_train_runs_the_video_policy_end_to_end(tmp_path: Path):
          "--eval.heldout", "false", "--out", str(run)], capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "--policy.generator_path RUN_DIR" in " ".join(result.stderr.split())  # what a generator would bring, said
     final = load_policy(run / "checkpoints" / "final")
     assert isinstance(final, VideoPolicy) and final.config.extra["tasks"] == ["drawer"]
     assert (run / "rollouts" / "round-001" / "meta" / "info.json").exists()
@@ -250,6 +251,49 @@ def test_a_local_generator_folder_trains_lora_and_checkpoints_reference_it(tmp_p
     saved = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert all("lora_" in k or not k.startswith("generator.") for k in saved)
     assert torch.equal(load_policy(tmp_path / "ckpt").eval().predict_action_chunk(b, noise=noise), before)
+
+
+def test_a_post_trained_generator_is_the_video_policys_trunk(tmp_path: Path):
+    """A generator folder as `kinema video train` exports it (a tiny pixel-space Wan, its post-training LoRA saved as
+    the active adapter) starts the video policy: `generator_path` takes the run folder for its final/, the LoRA is
+    fused into the trunk (which then computes what the folder's generator computes with its adapter on), the weights
+    LoRA does not touch are the folder's (fingerprint), the policy's own adapter trains on top, and checkpoints
+    reference the folder. A frame size other than the generator's is refused naming it."""
+    from method_regression import fingerprint
+
+    from policies.video.generator import VideoGenerator
+
+    gen = VideoGenerator.from_preset("tiny", seed=3, height=32, width=32, num_frames=5)
+    gen.add_adapter("default", rank=4, alpha=4.0)
+    with torch.no_grad():
+        for p in gen.lora_parameters("default").values():
+            p.normal_(0.0, 0.05)
+    gen.save_pretrained(tmp_path / "run" / "final")
+    policy = make_policy("video", VideoPolicyConfig(generator_path=str(tmp_path / "run"), video_size=32, lora_rank=4))
+    assert policy.config.generator_path == str(tmp_path / "run" / "final")
+    assert policy.config.extra["generator_fused_adapter"] == "default" and policy.generator.adapters == ["default"]
+    folder = VideoGenerator.from_pretrained(tmp_path / "run" / "final")  # its adapter active
+    assert folder.active_adapter == "default"
+    g = torch.Generator().manual_seed(0)
+    x_t = torch.randn(2, 48, 2, 16, 16, generator=g)
+    prompts = folder.encode_prompts(["open the top drawer", "push the red block"])
+    with torch.no_grad():
+        expected = folder.velocity(x_t, torch.tensor([0.3, 0.8]), prompts)
+        got = policy.generator.velocity(x_t, torch.tensor([0.3, 0.8]), prompts)  # the policy's adapter starts at zero
+        plain = folder.velocity(x_t, torch.tensor([0.3, 0.8]), prompts, adapter="base")
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (expected - plain).abs().max() > 1e-3  # the LoRA matters: the check above can tell fused from not
+    adapted = {k.rsplit(".lora_", 1)[0] + ".weight" for k in folder.adapter_state_dict("default")}
+    untouched = lambda state: {k: v for k, v in state.items() if k not in adapted}  # noqa: E731
+    assert fingerprint(untouched(policy.generator.base_state_dict())) == fingerprint(untouched(folder.base_state_dict()))
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    policy.save_pretrained(str(tmp_path / "ckpt"))
+    again = load_policy(tmp_path / "ckpt")
+    with torch.no_grad():
+        torch.testing.assert_close(again.generator.velocity(x_t, torch.tensor([0.3, 0.8]), prompts), got)
+    with pytest.raises(ValueError, match="makes 32x32 frames; set policy.video_size to 32"):
+        make_policy("video", VideoPolicyConfig(generator_path=str(tmp_path / "run"), video_size=48, lora_rank=4))
 
 
 def test_methods_that_cannot_train_the_video_policy_are_refused_with_the_valid_ones():

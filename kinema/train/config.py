@@ -168,6 +168,10 @@ class PolicyOptions(draccus.ChoiceRegistry):
         except ValueError as err:
             raise ValueError(str(err).replace(f"{config_class.__name__}.", "policy.")) from None
 
+    def advice(self) -> str | None:
+        """What the run is likely missing with these options, said once at its start (None: nothing)."""
+        return None
+
     def make(self, *, cameras: tuple[str, ...], aux_dim: int, tasks: list[str], stats: dict[str, Any]) -> Any:
         """The run's new policy: its config from these options, normalised by the demonstrations' stats."""
         from policies import make_policy
@@ -204,9 +208,16 @@ class VideoPolicyOptions(PolicyOptions):
     """The video-diffusion policy (policies/video_policy): frames and actions denoised together by a Wan transformer."""
 
     video_size: int = 32  # side of the frames the video model denoises
-    generator_path: str = ""  # a local diffusers-layout Wan folder (LoRA-tuned); empty: the tiny random Wan stack
+    generator_path: str = ""  # a `kinema video train` run folder or a local diffusers-layout Wan folder (LoRA-tuned); empty: a tiny random Wan
     lora_rank: int = 8  # generator_path only: LoRA rank on the pretrained transformer (the tiny one trains fully)
     planning_candidates: int = 1  # best-of-N chunks ranked by predicted value; 1: no planning
+
+    def advice(self) -> str | None:
+        if self.generator_path:
+            return None
+        return ("the video policy starts from a random tiny Wan, with no prior of how this task's scenes move (it "
+                "scored 0 % on drawer so: benchmarks/RESULTS.md); `kinema video train` pre-trains one on the task's "
+                "videos: pass its run folder as --policy.generator_path RUN_DIR")  # fmt: skip
 
 
 @PolicyOptions.register_subclass("smolvla")

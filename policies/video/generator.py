@@ -272,6 +272,18 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
                 gen.set_adapter(meta["active_adapter"])
         return gen
 
+    @torch.no_grad()
+    def fuse_adapter(self, name: str) -> None:
+        """Merge adapter `name` into the transformer's weights (W + (alpha/rank)·B·A) and remove every adapter: the
+        model then computes what it computed with `name` active, as a plain model a new adapter can start from."""
+        self._check_adapter(name)
+        fused = fused_state_dict(self.base_state_dict(), self.adapter_state_dict(name), self._adapters[name])
+        self.transformer.unload_lora()  # peft's layers out, their base layers back in place
+        self.transformer.load_state_dict(fused)
+        self._adapters.clear()
+        self._active = None
+        self.transformer.requires_grad_(True)
+
     def _save_adapter(self, name: str, folder: Path, state: Mapping[str, Tensor] | None = None) -> None:
         # diffusers' own LoRA format, so that a plain `WanPipeline.from_pretrained(dir)` user can run
         # `pipe.load_lora_weights(dir / "adapters" / name)`; the metadata carries rank and alpha.

@@ -20,7 +20,9 @@ class VideoPolicyConfig:
     """
 
     # --- the generator: a tiny random one (CPU), or a local diffusers-layout Wan checkpoint with LoRA (GPU) ---
-    generator_path: str = ""  # local WanPipeline folder (e.g. Wan2.1-T2V-1.3B-Diffusers); referenced, never copied
+    # local WanPipeline folder (e.g. Wan2.1-T2V-1.3B-Diffusers), or a `kinema video train` run folder (its final/, the
+    # post-trained adapter fused in); referenced, never copied
+    generator_path: str = ""
     generator_dtype: str = "float32"  # "float32" | "bfloat16" | "float16" for a generator_path's frozen weights
     video_size: int = 32  # side of the frames the video model sees (observations are resized to it)
     pixel_scale_spatial: int = 4  # tiny pixel space: pixels folded into channels per side (16 tokens per slot at 32)
@@ -75,6 +77,10 @@ class VideoPolicyConfig:
         if self.generator_path:
             # Absolute, so that a checkpoint's config.json still finds the generator from another working directory.
             self.generator_path = os.path.abspath(os.path.expanduser(self.generator_path))
+            # A `kinema video train` run folder stands for its exported generator
+            final = os.path.join(self.generator_path, "final")
+            if not os.path.isdir(os.path.join(self.generator_path, "transformer")) and os.path.isdir(final):
+                self.generator_path = final
 
     # --- the latent layout ----------------------------------------------------------------------------------------
     @property

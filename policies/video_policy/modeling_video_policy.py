@@ -87,6 +87,13 @@ class VideoPolicy(ChunkedActing, nn.Module):
         self.config = config
         self.generator = build_generator(config)
         if config.generator_path:
+            if self.generator.active_adapter is not None:  # a post-trained generator (`kinema video train`'s final)
+                config.extra["generator_fused_adapter"] = self.generator.active_adapter
+                self.generator.fuse_adapter(self.generator.active_adapter)
+            size = (self.generator.config.height, self.generator.config.width)
+            if self.generator.config.latent_space == "pixel" and size != (config.video_size, config.video_size):
+                raise ValueError(f"the generator at {config.generator_path} makes {size[0]}x{size[1]} frames; set "
+                                 f"policy.video_size to {size[0]} (got {config.video_size})")  # fmt: skip
             self.generator.add_adapter("default", rank=config.lora_rank, alpha=config.lora_alpha)
             config.extra["latent_channels"] = int(self.generator.transformer.config.in_channels)
             config.extra["generator_text_dim"] = int(self.generator.transformer.config.text_dim)
