@@ -7,8 +7,8 @@
 Without --checkpoint the model is smolvla_base's architecture (SmolVLM2-500M's config: 16 of its 32 text layers,
 960 wide; the expert at 0.75 of that width; chunks of 50) with random weights and a stand-in tokenizer: what a step
 costs does not depend on the weights, and nothing is downloaded. Each precision trains `--steps` steps of kinema's
-flow loss on synthetic batches (the action expert, its projections and state_proj: `trainable expert`, LeRobot's
-default) and acts at batch 1; the fp32 run is the reference. Last line: one JSON object with per precision
+flow loss on synthetic batches (`--trainable`: by default the action expert, its projections and state_proj,
+LeRobot's default; `lora` adds LoRA on the VLM's text attention) and acts at batch 1; the fp32 run is the reference. Last line: one JSON object with per precision
 `step_s`, `chunk_ms` (batch-1 acting), `peak_memory_gb` (CUDA), the parameter counts, `bf16_over_fp32` (step time)
 and `bf16_action_error` (the largest difference of a chunk from the same inputs and noise).
 """
@@ -37,14 +37,14 @@ SMOLVLM2_500M = dict(
 )  # fmt: skip
 
 
-def random_smolvla_base(device: str):
+def random_smolvla_base(device: str, trainable: str):
     from transformers import AutoTokenizer, SmolVLMConfig
 
     from policies.smolvla import SmolVLAConfig, SmolVLAPolicy
 
     config = SmolVLAConfig(chunk_size=50, n_action_steps=50, max_state_dim=32, max_action_dim=32, state_dim=8, action_dim=7,
                            resize_imgs_with_padding=(512, 512), num_vlm_layers=16, expert_width_multiplier=0.75,
-                           vlm_path=str(FIXTURE / "tiny-smolvlm"))  # fmt: skip
+                           vlm_path=str(FIXTURE / "tiny-smolvlm"), trainable=trainable)  # fmt: skip
     g = torch.Generator().manual_seed(0)
     stats = {"observation.state": {"mean": torch.zeros(8), "std": torch.ones(8)},
              "action": {"mean": torch.zeros(7), "std": torch.ones(7)}}  # fmt: skip
@@ -57,10 +57,10 @@ def load(args, device: str):
     from policies.smolvla import SmolVLAPolicy
 
     if args.quick:
-        return SmolVLAPolicy.from_pretrained(FIXTURE / "tiny-smolvla", vlm_path=str(FIXTURE / "tiny-smolvlm")).to(device)
+        return SmolVLAPolicy.from_pretrained(FIXTURE / "tiny-smolvla", vlm_path=str(FIXTURE / "tiny-smolvlm"), trainable=args.trainable).to(device)
     if args.checkpoint:
-        return SmolVLAPolicy.from_pretrained(args.checkpoint, vlm_path=args.vlm_path or None).to(device)
-    return random_smolvla_base(device)
+        return SmolVLAPolicy.from_pretrained(args.checkpoint, vlm_path=args.vlm_path or None, trainable=args.trainable).to(device)
+    return random_smolvla_base(device, args.trainable)
 
 
 def batch_for(policy, size: int, side: int, device: str, seed: int) -> dict:
@@ -124,6 +124,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--image-side", type=int, default=256, help="side of the synthetic camera frames (resized to 512 with padding)")
     parser.add_argument("--act-repeats", type=int, default=10)
+    parser.add_argument("--trainable", default="expert", choices=("expert", "lora", "vlm", "all"),
+                        help="what trains: the action expert (LeRobot's default), plus LoRA on the VLM, the VLM, everything")
     parser.add_argument("--quick", action="store_true", help="the tiny fixture on the CPU: checks the script in seconds")
     args = parser.parse_args()
     if args.quick:
@@ -144,7 +146,7 @@ def main() -> None:
     summary = {
         "model": "tiny fixture" if args.quick else (args.checkpoint or "smolvla_base size, random weights"),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "batch_size": args.batch_size, "steps": args.steps, **results,
+        "batch_size": args.batch_size, "steps": args.steps, "trainable": args.trainable, **results,
         "bf16_over_fp32": round(results["bfloat16"]["step_s"] / results["float32"]["step_s"], 3),
         "bf16_action_error": round(error, 5),
     }  # fmt: skip

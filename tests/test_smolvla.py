@@ -256,3 +256,28 @@ def test_each_method_runs_a_round_on_a_tiny_smolvla(tmp_path, name):
     if name not in ("dsrl", "residual"):  # those two train actors of their own; the SmolVLA stays as SFT left it
         assert any(not torch.equal(sft[k], after[k]) for k in sft if ".lm_expert." in k), name
     assert all(torch.equal(sft[k], after[k]) for k in sft if ".vlm." in k)
+
+
+def test_lora_on_the_vlm_trains_adapters_and_saves_them_merged_in_lerobots_layout(tmp_path, reference):
+    policy = load(trainable="lora", lora_rank=4, lora_alpha=8.0)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert any(".text_model." in n and "lora_" in n for n in trainable)
+    assert not any(".vlm." in n and "lora_" not in n for n in trainable)  # the VLM's own weights stay frozen
+    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    batch = {**observation(reference), "action": torch.randn(2, 4, 7)}
+    policy.train()
+    for _ in range(3):
+        opt.zero_grad()
+        policy.flow_loss(batch).mean().backward()
+        opt.step()
+    policy.eval()
+    ours = policy.predict_action_chunk(observation(reference), noise=reference["noise"])
+    policy.save_pretrained(tmp_path / "ckpt")
+    saved, original = load_file(str(tmp_path / "ckpt" / "model.safetensors")), load_file(str(CHECKPOINT / "model.safetensors"))
+    assert set(saved) == set(original)  # LeRobot's names: the adapters merged in
+    q = "model.vlm_with_expert.vlm.model.text_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(saved[q], original[q])
+    assert all(torch.equal(saved[k], original[k]) for k in original if ".vision_model." in k)
+    again = SmolVLAPolicy.from_pretrained(tmp_path / "ckpt").eval()  # kinema's file: trainable lora, fresh adapters at zero
+    assert again.config.trainable == "lora"
+    torch.testing.assert_close(again.predict_action_chunk(observation(reference), noise=reference["noise"]), ours, atol=1e-5, rtol=1e-5)

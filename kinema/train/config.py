@@ -233,7 +233,10 @@ class SmolVLAOptions(PolicyOptions):
     checkpoint: str = ""  # the SmolVLA folder to start from (config.json, model.safetensors, policy_*processor files)
     vlm_path: str = ""  # the VLM's config.json and tokenizer, locally; empty: the checkpoint's vlm_model_name if local
     camera_map: dict[str, str] = field(default_factory=dict)  # kinema camera -> the checkpoint's image feature
-    trainable: str = "expert"  # "expert": the action expert and its projections (LeRobot's default) | "vlm": its text layers too | "all": everything
+    # "expert": the action expert and its projections (LeRobot's default) | "lora": those + LoRA on the VLM's text
+    # attention (merged into the weights on save) | "vlm": the VLM's text layers too | "all": everything
+    trainable: str = "expert"
+    lora_rank: int = 16  # trainable lora only
     # checkpoint: keep the normalisation stats it was trained with | dataset: the run's demonstrations' (a SmolVLA that
     # never saw this task's state and action ranges, e.g. trained from scratch here)
     normalization: str = "checkpoint"
@@ -242,7 +245,7 @@ class SmolVLAOptions(PolicyOptions):
         """The options that set fields of the SmolVLA's config (by their names there); 0 and "" keep the checkpoint's."""
         fields = {"image_size": self.image_size, "chunk_size": self.chunk_size, "n_action_steps": self.n_action_steps,
                   "num_steps": self.num_flow_steps, "vlm_path": self.vlm_path, "camera_map": dict(self.camera_map),
-                  "trainable": self.trainable}  # fmt: skip
+                  "trainable": self.trainable, "lora_rank": self.lora_rank, "lora_alpha": float(self.lora_rank)}  # fmt: skip
         return {k: v for k, v in fields.items() if v or k == "chunk_size"}
 
     def check(self) -> None:

@@ -16,9 +16,10 @@ from typing import Any
 
 KINEMA_FILE = "kinema_smolvla.json"
 FORMAT_VERSION = 1
-# What moves in training: "expert" (LeRobot's default, train_expert_only), "vlm" (its text layers too; the vision tower
-# frozen, LeRobot's freeze_vision_encoder), "all" (everything: a SmolVLA trained from scratch on a CPU-sized VLM)
-TRAINABLE = ("expert", "vlm", "all")
+# What moves in training: "expert" (LeRobot's default, train_expert_only), "lora" (the expert, and LoRA on the VLM's
+# text attention), "vlm" (its text layers too; the vision tower frozen, LeRobot's freeze_vision_encoder), "all"
+# (everything: a SmolVLA trained from scratch on a CPU-sized VLM)
+TRAINABLE = ("expert", "lora", "vlm", "all")
 NORMALIZATION_MODES = ("IDENTITY", "MEAN_STD", "MIN_MAX")
 IMAGE_PREFIX = "observation.images."
 
@@ -58,7 +59,9 @@ class SmolVLAConfig:
     # kinema camera -> the checkpoint's image feature it fills; cameras left out fill the feature of the same name
     camera_map: dict[str, str] = field(default_factory=dict)
     image_size: int = 64  # the side kinema's env renders for this policy (the policy resizes with padding itself)
-    trainable: str = "expert"  # "expert" | "vlm" | "all" (TRAINABLE above)
+    trainable: str = "expert"  # "expert" | "lora" | "vlm" | "all" (TRAINABLE above)
+    lora_rank: int = 16  # trainable "lora": rank and alpha of the VLM's adapters (merged into the weights on save)
+    lora_alpha: float = 16.0
     inference_noise_scale: float = 1.0
     hidden_dim: int = 0  # the VLM's text width: the size of `features()`; filled from the VLM's config
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (tasks post-trained on), not architecture
@@ -87,6 +90,8 @@ class SmolVLAConfig:
                 )
         if self.trainable not in TRAINABLE:
             raise ValueError(f"SmolVLAConfig.trainable must be one of {list(TRAINABLE)}; got {self.trainable!r}")
+        if self.lora_rank < 1 or self.lora_alpha <= 0:
+            raise ValueError(f"SmolVLAConfig.lora_rank must be >= 1 and lora_alpha > 0; got {self.lora_rank}, {self.lora_alpha}")
         if self.num_steps < 1:
             raise ValueError(f"SmolVLAConfig.num_steps must be >= 1; got {self.num_steps}")
         unknown = sorted(set(self.camera_map.values()) - set(self.image_features))
@@ -141,6 +146,7 @@ class SmolVLAConfig:
     def kinema_fields(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, "policy_type": "smolvla", "vlm_path": self.vlm_path,
                 "camera_map": dict(self.camera_map), "image_size": self.image_size, "trainable": self.trainable,
+                "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
                 "inference_noise_scale": self.inference_noise_scale, "n_action_steps": self.n_action_steps,
                 "num_steps": self.num_steps, "extra": self.extra}  # fmt: skip
 

@@ -43,6 +43,7 @@ from policies.smolvla.configuration_smolvla import IMAGE_PREFIX, KINEMA_FILE, Sm
 WEIGHTS = "model.safetensors"
 PROCESSOR_FILES = ("policy_preprocessor.json", "policy_postprocessor.json")
 ROPE_BASE = 10_000.0  # SmolVLA's own RoPE, whatever the VLM's config says
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # trainable "lora": the VLM's text attention
 
 
 # ----- the pieces LeRobot's SmolVLA computes with -------------------------------------------------------------------------
@@ -343,13 +344,39 @@ class SmolVLAPolicy(ChunkedActing, nn.Module):
     # ----- what trains -------------------------------------------------------------------------------------------------
     def set_trainable(self, trainable: str) -> None:
         """"expert": the action expert, the projections in and out of it and state_proj (LeRobot's train_expert_only);
+        "lora": those, plus LoRA (`lora_rank`) on the VLM's text attention (q, k, v, o), its base weights frozen;
         "vlm": the VLM's text model and connector too (the vision tower frozen, as LeRobot's freeze_vision_encoder);
         "all": the vision tower too. The unused language-model head never trains."""
         self.config.trainable = trainable
+        if trainable == "lora" and not self._lora_injected():
+            from peft import LoraConfig, inject_adapter_in_model
+
+            text = self.model.vlm_with_expert.vlm.model.text_model
+            inject_adapter_in_model(LoraConfig(r=self.config.lora_rank, lora_alpha=self.config.lora_alpha,
+                                               target_modules=list(LORA_TARGETS)), text)  # fmt: skip
         for name, param in self.named_parameters():
             in_vlm = name.startswith("model.vlm_with_expert.vlm.")
-            frozen = in_vlm and (trainable == "expert" or "lm_head" in name or (trainable == "vlm" and ".vision_model." in name))
-            param.requires_grad_(not frozen)
+            frozen = in_vlm and (trainable in ("expert", "lora") or "lm_head" in name or (trainable == "vlm" and ".vision_model." in name))
+            param.requires_grad_(not frozen or "lora_" in name)
+
+    def _lora_injected(self) -> bool:
+        return any("lora_" in name for name, _ in self.named_parameters())
+
+    def lerobot_state_dict(self) -> dict[str, Tensor]:
+        """The weights under LeRobot's names: any LoRA merged into its base weight, W + (alpha/rank)·B·A."""
+        state = self.state_dict()
+        scale = self.config.lora_alpha / self.config.lora_rank
+        out = {}
+        for key, value in state.items():
+            if ".lora_" in key:
+                continue
+            if ".base_layer." in key:
+                module, leaf = key.split(".base_layer.")
+                if leaf == "weight":
+                    value = value + scale * (state[f"{module}.lora_B.default.weight"] @ state[f"{module}.lora_A.default.weight"])
+                key = f"{module}.{leaf}"
+            out[key] = value.detach()
+        return out
 
     @property
     def device(self) -> torch.device:
@@ -564,6 +591,13 @@ class SmolVLAPolicy(ChunkedActing, nn.Module):
         return policy
 
     def load_weights(self, state: Mapping[str, Tensor], *, source: str) -> None:
+        """LeRobot-named weights (`model.safetensors`), into this model: a LoRA-wrapped layer takes the checkpoint's
+        weight as its base, and its adapter starts at zero (the checkpoint holds it merged)."""
+        if self._lora_injected():
+            plain = {k.replace(".base_layer.", "."): k for k in self.state_dict() if ".lora_" not in k}
+            state = {plain.get(k, k): v for k, v in state.items()}
+            lora = {k: v for k, v in self.state_dict().items() if ".lora_" in k}
+            state = {**state, **lora}
         own = self.state_dict()
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         wrong = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in own if k in state and state[k].shape != own[k].shape]
@@ -598,7 +632,7 @@ class SmolVLAPolicy(ChunkedActing, nn.Module):
         for name in [n for n in files if n.startswith("policy_") and n.endswith(".safetensors")]:
             files[name] = self._stats_file(files[name])
         with atomic_folder(directory) as tmp:
-            state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+            state = {k: v.cpu().contiguous() for k, v in self.lerobot_state_dict().items()}
             save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
             for name, content in {**files, **(extra_files or {})}.items():
                 (tmp / name).write_bytes(content)
