@@ -145,6 +145,15 @@ def load_checkpoint(directory: str | os.PathLike, *, map_location: str = "cpu") 
     return config, weights
 
 
+def state_dict_mismatch(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> str:
+    """How a checkpoint's weights differ from a model's state dict: missing and unexpected keys, wrong shapes (the
+    first five of each); "" when they fit."""
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    wrong = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in own if k in state and state[k].shape != own[k].shape]
+    return "; ".join(filter(None, [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
+                                   "; ".join(wrong[:5])]))  # fmt: skip
+
+
 def config_fields(cls: Any, data: Mapping[str, Any], *, policy_type: str, name: str, format_version: int) -> dict[str, Any]:
     """The dataclass fields of a policy's config.json, checked: its `policy_type` and `format_version`, no unknown
     field, and each plain field of its default's type (a hand-edited or damaged file names the field rather than

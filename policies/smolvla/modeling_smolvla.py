@@ -598,14 +598,10 @@ class SmolVLAPolicy(ChunkedActing, nn.Module):
             state = {plain.get(k, k): v for k, v in state.items()}
             lora = {k: v for k, v in self.state_dict().items() if ".lora_" in k}
             state = {**state, **lora}
-        own = self.state_dict()
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        wrong = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in own if k in state and state[k].shape != own[k].shape]
-        if missing or unexpected or wrong:
-            raise ValueError(
-                f"{source}: the weights do not fit the SmolVLA its config.json and VLM ({self.config.vlm_path}) describe: "
-                + "; ".join(filter(None, [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "", "; ".join(wrong[:5])]))
-            )
+        from policies.checkpoint import state_dict_mismatch
+
+        if mismatch := state_dict_mismatch(self.state_dict(), state):
+            raise ValueError(f"{source}: the weights do not fit the SmolVLA its config.json and VLM ({self.config.vlm_path}) describe: {mismatch}")
         self.load_state_dict(state)
 
     def save_pretrained(self, directory: str | os.PathLike, *, vlm_model_name: str | None = None,

@@ -431,15 +431,10 @@ class VLAPolicy(ChunkedActing, nn.Module):
         return model
 
     def load_state_dict_checked(self, state: Mapping[str, Tensor], *, source: str) -> None:
-        own = self.state_dict()
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
-        wrong = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in own if k in state and state[k].shape != own[k].shape]
-        if missing or unexpected or wrong:
-            raise ValueError(
-                f"checkpoint {source} does not match this VLA architecture: "
-                + "; ".join(filter(None, [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "", "; ".join(wrong[:5])]))
-            )
+        from policies.checkpoint import state_dict_mismatch
+
+        if mismatch := state_dict_mismatch(self.state_dict(), state):
+            raise ValueError(f"checkpoint {source} does not match this VLA architecture: {mismatch}")
         self.load_state_dict(state)
 
 
