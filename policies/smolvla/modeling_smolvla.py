@@ -665,8 +665,10 @@ def resolve_vlm_path(vlm_path: str, vlm_model_name: str, *, source: str) -> str:
         except Exception:  # not in the local cache (or not a repo id): say what to do below
             tried.append(f"{vlm_model_name} in the local Hugging Face cache")
     raise FileNotFoundError(
-        f"{source}: no local folder for the SmolVLA's VLM (tried {tried}); pass vlm_path (--policy.vlm_path) naming a "
-        "local copy of the checkpoint's vlm_model_name (its config.json and tokenizer files are what is read; nothing is downloaded)"
+        f"{source}: no local folder for the SmolVLA's VLM (tried {tried}); name a local copy of the checkpoint's "
+        "vlm_model_name (its config.json and tokenizer files are read; nothing is downloaded): `kinema train "
+        f"--policy.vlm_path DIR`, or for `kinema eval` / `kinema deploy` a file {KINEMA_FILE} beside the checkpoint "
+        'holding {"vlm_path": "DIR"}'
     )
 
 
