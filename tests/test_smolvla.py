@@ -80,8 +80,8 @@ def test_flow_loss_is_lerobots_per_sample_loss_and_weights_it(reference):
     assert loss.shape == (2,)
     torch.testing.assert_close(loss, expected, **TOLERANCE)
     torch.testing.assert_close(policy.flow_loss(batch, weights=torch.tensor([2.0, 0.0])), expected * torch.tensor([2.0, 0.0]), **TOLERANCE)
-    pad = torch.tensor([[False, False, True, True]] * 2)
-    assert (policy.flow_loss({**batch, "action_is_pad": pad}) < loss).all()
+    pad = torch.tensor([[False, False, True, True]] * 2)  # padded steps leave the mean, as the VLA's do
+    torch.testing.assert_close(policy.flow_loss({**batch, "action_is_pad": pad}), reference["train_losses"][:, :2].mean(dim=(1, 2)), **TOLERANCE)
 
 
 def test_a_kinema_batch_acts_through_the_protocol(reference):

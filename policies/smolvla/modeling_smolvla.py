@@ -36,7 +36,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from diffusion_rl.flow import SDEStep, euler_sample, nft_loss, sample_time, sde_sample, sde_step_with_logprob, time_schedule
+from diffusion_rl.flow import (
+    SDEStep,
+    euler_sample,
+    flow_matching_loss,
+    interpolate,
+    nft_loss,
+    sample_time,
+    sde_sample,
+    sde_step_with_logprob,
+    time_schedule,
+    velocity_target,
+)
 from policies.acting import ChunkedActing
 from policies.smolvla.configuration_smolvla import IMAGE_PREFIX, KINEMA_FILE, SmolVLAConfig, read_kinema_fields
 
@@ -489,8 +500,9 @@ class SmolVLAPolicy(ChunkedActing, nn.Module):
 
     def flow_loss(self, batch: Mapping[str, Any], *, weights: Tensor | None = None,
                   targets: Mapping[str, Tensor] | None = None, context: Prefix | None = None) -> Tensor:  # fmt: skip
-        """Per-sample flow-matching loss (B,), as LeRobot's `forward(reduction="none")`: the mean over the chunk and
-        every padded action dimension (padded steps, `action_is_pad`, count as zero, as LeRobot's `actions_id_pad`)."""
+        """Per-sample flow-matching loss (B,) through the RL core's `flow_matching_loss`: without padding, LeRobot's
+        `forward(reduction="none")` (the mean over the chunk and every padded action dimension); padded steps
+        (`action_is_pad`) are left out of the mean, as the VLA's are."""
         x0 = self.model_actions(batch["action"])
         B = x0.shape[0]
         prefix = self._context(batch, context)
@@ -498,18 +510,14 @@ class SmolVLAPolicy(ChunkedActing, nn.Module):
         t = sample_time(B, distribution="beta", device=self.device) if t is None else torch.as_tensor(t, device=self.device)
         noise = batch.get("noise")
         noise = torch.randn_like(x0) if noise is None else pad_to(torch.as_tensor(noise, device=self.device), x0.shape[-1])
-        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * x0
-        target = noise - x0
+        target = velocity_target(x0, noise)
         if targets is not None and "velocity" in targets:
             target = pad_to(targets["velocity"], x0.shape[-1])
         elif targets is not None and "x0" in targets:
-            target = noise - pad_to(targets["x0"], x0.shape[-1])
-        losses = (self.model.velocity(prefix, x_t, t) - target).pow(2)
+            target = velocity_target(pad_to(targets["x0"], x0.shape[-1]), noise)
         pad = batch.get("action_is_pad")
-        if pad is not None:
-            losses = losses * (~torch.as_tensor(pad, device=self.device))[:, :, None]
-        losses = losses.mean(dim=(1, 2))
-        return losses if weights is None else losses * weights
+        mask = None if pad is None else ~torch.as_tensor(pad, device=self.device)
+        return flow_matching_loss(self.model.velocity(prefix, interpolate(x0, noise, t), t), target, weights=weights, mask=mask)
 
     def nft_loss(self, batch: Mapping[str, Any], *, old: SmolVLAPolicy, r: Tensor, beta: float = 1.0, adv_clip_max: float = 5.0,
                  context: Prefix | None = None, space: str = "x0_adaptive") -> Tensor:  # fmt: skip
@@ -517,7 +525,7 @@ class SmolVLAPolicy(ChunkedActing, nn.Module):
         x0 = self.model_actions(batch["action"])
         prefix = self._context(batch, context)
         t = sample_time(x0.shape[0], distribution="beta", device=self.device)
-        x_t = t[:, None, None] * torch.randn_like(x0) + (1 - t[:, None, None]) * x0
+        x_t = interpolate(x0, torch.randn_like(x0), t)
         with torch.no_grad():
             v_old = old.model.velocity(old.encode(batch)[0], x_t, t)
         pad = batch.get("action_is_pad")
