@@ -169,6 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kinema: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if "torch.distributed" in sys.modules:  # joined under torchrun by `kinema train` / `kinema video train`
+            from kinema.train import distributed
+
+            distributed.leave()
     return 0
 
 

@@ -120,3 +120,19 @@ def test_kinema_train_under_torchrun_on_2_gloo_ranks_writes_one_run(tmp_path):
     assert (run / "checkpoints" / "round-001").is_dir() and (run / "report.md").exists()
     assert len(list((run / "rollouts" / "round-001" / "data").rglob("*.parquet"))) >= 1
     assert result.stdout.count("report:") + result.stderr.count("report:") == 1  # rank 1 prints nothing
+
+
+def test_the_cli_leaves_the_process_group_it_ran_in(tmp_path, capsys):
+    # A rank that exits with its gloo group still open aborts now and then at interpreter exit ("terminate called
+    # without an active exception"), and torchrun kills the ranks still writing the run.
+    import torch.distributed as dist
+
+    from kinema.cli import main
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert main(["sim", "list"]) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -49,6 +49,14 @@ def init_from_env() -> bool:
     return True
 
 
+def leave() -> None:
+    """Leave the process group before the interpreter exits. A rank that exits with the group still open aborts
+    now and then as gloo's threads are torn down ("terminate called without an active exception"), and torchrun
+    then kills the ranks still writing the run."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def install_step_hook() -> None:
     """Average gradients before every optimiser step in this process (critics, success model, ...), unless the
     update already did (`sync_gradients`)."""
