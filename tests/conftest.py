@@ -10,11 +10,8 @@ each other. Both are set in os.environ at import time, before any test module cr
 processes inherit them.
 """
 
-import json
 import os
 import random
-from collections import defaultdict
-from pathlib import Path
 
 from robot.transport.loopback import pin_to_loopback
 
@@ -37,35 +34,3 @@ def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one worker per CPU this process may run on. xdist's own count is psutil's
     physical cores, which is 1 on a VM whose 2 vCPUs are one core's two threads, and the whole host in a container."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-# Seconds per test file (setup, call and teardown) in the last run made with --store-durations (a 2-core CI run).
-DURATIONS = Path(__file__).with_name("durations.json")
-_seconds: dict[str, float] = defaultdict(float)
-
-
-def pytest_addoption(parser):
-    parser.addoption("--store-durations", action="store_true", help=f"write each test file's seconds to {DURATIONS.name}")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Longest files first. xdist hands whole files to the workers in this order (pyproject: --dist loadfile
-    --no-loadscope-reorder), so a slow end-to-end file no longer starts last and keeps one worker busy while the
-    other has nothing left. A file durations.json does not know yet: 25 s per slow test, 0.6 s per other."""
-    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-    estimate: dict[str, float] = defaultdict(float)
-    for item in items:
-        estimate[item.nodeid.split("::")[0]] += 25.0 if item.get_closest_marker("slow") else 0.6
-    seconds = {path: known.get(path, guess) for path, guess in estimate.items()}
-    items.sort(key=lambda item: -seconds[item.nodeid.split("::")[0]])  # stable: a file's own order is kept
-
-
-def pytest_runtest_logreport(report):
-    _seconds[report.nodeid.split("::")[0]] += report.duration
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if session.config.getoption("store_durations") and not hasattr(session.config, "workerinput"):
-        known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-        known.update({path: round(seconds, 1) for path, seconds in _seconds.items()})
-        DURATIONS.write_text(json.dumps(dict(sorted(known.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
