@@ -258,6 +258,7 @@ def run_jobs(jobs: list[Job], *, jobs_at_once: int, logs: Path) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env.setdefault("OMP_NUM_THREADS", "1")  # runs side by side: one learner thread each (kinema train's learner_threads)
 
     stop = threading.Event()  # set on a failure or an interrupt: no further run starts
     running: dict[str, subprocess.Popen] = {}

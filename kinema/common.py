@@ -15,7 +15,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -164,6 +164,27 @@ def start_run(
     else:
         run, state = FollowerRun(cfg.run_dir(), console), {}
     return run, distributed.broadcast_object(state), console  # the others wait here while rank 0 checks the folder
+
+
+@contextlib.contextmanager
+def learning_threads(cfg: Any) -> Iterator[None]:
+    """Learning while the env workers wait (SFT, a round's features, success-model refit and updates) on
+    `cfg.learner_threads` torch threads, a step 1.45x as fast on 2 threads as on 1 here; then back to `cfg.threads`
+    for rollouts and evaluations, where a second intra-op thread spins against the env workers."""
+    torch.set_num_threads(cfg.learner_threads or available_threads())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(cfg.threads)
+
+
+def available_threads() -> int:
+    """OMP_NUM_THREADS where it is set (torchrun sets 1 for several ranks on one machine; the test workers and
+    `vla_rl.py --jobs` too), else the cores this process may run on."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 COLLECTED_WITH = "collected_with.json"  # beside a run's collected episodes: what collected them

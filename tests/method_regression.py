@@ -34,6 +34,7 @@ TINY = [
     "--rl.episodes_per_round", "4", "--rl.updates_per_round", "4", "--rl.batch_size", "8",
     "--eval.episodes", "2", "--eval.round_episodes", "2", "--eval.videos", "0", "--eval.heldout", "false",
     "--workers", "0", "--num_envs", "4", "--policy.image_size", "32", "--task_config", '{"horizon": 100}',
+    "--learner_threads", "1",  # as recorded: floats depend on the thread count
 ]  # fmt: skip
 # One run per method, with the options that reach its distinct code paths. The simulated human makes some rollouts
 # succeed (an untrained policy never does), so that credit rules see both outcomes.

@@ -4,6 +4,7 @@ benchmarks/vla_rl.py; here we check the machinery.)"""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -490,3 +491,44 @@ def test_init_policy_must_match_the_config_and_an_unseen_task_is_noted(tmp_path:
     assert "trained on stack; drawer is unseen" in log.read_text() and "policy.num_flow_steps=3" in log.read_text()
     saved = VLAPolicy.from_pretrained(run / "checkpoints" / "sft").config
     assert saved.extra["tasks"] == ["stack", "drawer"] and saved.num_flow_steps == 3
+
+
+def test_sft_and_updates_run_on_the_learner_threads_and_rollouts_on_threads(tmp_path: Path, monkeypatch):
+    """The env workers wait while the learner steps, so SFT and the rounds' updates take `learner_threads`; during
+    rollouts and evaluations a second intra-op thread would spin against the env workers, so they take `threads`."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from kinema.train import workflow
+    from kinema.train.methods import base
+
+    at_step, at_collect = [], []
+    collect = base.collect
+
+    def collect_counting(*args, **kwargs):
+        at_collect.append(torch.get_num_threads())
+        return collect(*args, **kwargs)
+
+    monkeypatch.setattr(base, "collect", collect_counting)
+    hook = register_optimizer_step_pre_hook(lambda *_: at_step.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        cfg = load_config(None, [*TINY, "--rl.rounds", "1", "--rl.method", "habc", "--eval.videos", "0", "--eval.heldout", "false",
+                                 "--threads", "1", "--learner_threads", "2", "--out", str(tmp_path / "run")])  # fmt: skip
+        workflow.train(cfg)
+        assert torch.get_num_threads() == 1  # back to `threads` after the last update
+    finally:
+        hook.remove()
+        torch.set_num_threads(before)
+    assert len(at_step) > 6 and set(at_step) == {2}  # SFT, the actor's and the critics' steps
+    assert at_collect and set(at_collect) == {1}  # the round's rollouts
+
+
+def test_learner_threads_default_to_omp_num_threads_else_the_usable_cores(monkeypatch):
+    from kinema.common import available_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert available_threads() == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert available_threads() == len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="learner_threads must be >= 0; got -1"):
+        load_config(None, ["--learner_threads", "-1"])

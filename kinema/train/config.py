@@ -297,7 +297,10 @@ class TrainConfig:
     seed: int = 0
     num_envs: int = 8  # envs per rollout batch
     workers: int = 2  # env worker processes (0: step envs in this process)
-    threads: int = 1  # torch threads; one per process is fastest on a shared CPU
+    threads: int = 1  # torch threads while envs step (rollouts, evaluations): a second one spins against the env workers
+    # torch threads for SFT and the rounds' updates, while the env workers wait (0: every core this process may use,
+    # or OMP_NUM_THREADS where it is set, as torchrun and the test workers set it)
+    learner_threads: int = 0
     dataset: str = ""  # train SFT on this LeRobotDataset folder instead of collecting scripted demos
     init_policy: str = ""  # start RL from this checkpoint instead of running SFT (e.g. another run's checkpoints/sft)
     tensorboard: bool = False  # also log the metrics as TensorBoard scalars in RUN_DIR/tensorboard (kinema[tensorboard])
@@ -351,7 +354,7 @@ class TrainConfig:
             raise ValueError(f"rl.demo_fraction must be in [0, 1]; got {self.rl.demo_fraction}")
         for name, value in (
             ("sft.steps", self.sft.steps), ("rl.rounds", self.rl.rounds), ("rl.updates_per_round", self.rl.updates_per_round),
-            ("workers", self.workers),
+            ("workers", self.workers), ("learner_threads", self.learner_threads),
         ):  # fmt: skip
             if value < 0:
                 raise ValueError(f"{name} must be >= 0; got {value}")

@@ -30,6 +30,7 @@ from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.common import (
     Run,
     interrupt_note,
+    learning_threads,
     progress_bar,
     read_collected,
     start_run,
@@ -267,7 +268,8 @@ def _train(
         _set_aside_interrupted_rollouts(run.root / "rollouts", state["round"], console)
     else:
         start_round = 1
-        sft(learner, sft_steps, aux_weight=cfg.sft.aux_weight if aux_dim else 0.0, progress=progress, console=console)
+        with learning_threads(cfg):
+            sft(learner, sft_steps, aux_weight=cfg.sft.aux_weight if aux_dim else 0.0, progress=progress, console=console)
         if cfg.eval.baseline and cfg.robot.sim_eval and distributed.is_main():
             results = evaluate_all(acting, cfg, cfg.eval.episodes, splits=final_splits(cfg), progress=progress, label="SFT baseline")
             run.log(_eval_record("sft", results, 0, 0))
@@ -295,7 +297,8 @@ def _train(
         for r in range(start_round, rounds + 1):
             record: dict[str, Any] = {"kind": "round", "round": r, "method": method.name}
             rollouts = robot.roll_out(method, r, record, progress) if robot is not None else method.roll_out(r, record, progress)
-            method.update(rollouts, record, progress)
+            with learning_threads(cfg):
+                method.update(rollouts, record, progress)
             learner.actor_step += cfg.rl.updates_per_round
             run.log(record)
             if not distributed.is_main():  # evaluation, checkpoints and the report are rank 0's

@@ -16,7 +16,7 @@ import torch
 
 from diffusion_rl.data import Episode, ExecutedBy, Segment
 from diffusion_rl.data.lerobot_v3 import write_episodes
-from kinema.common import Run
+from kinema.common import Run, learning_threads
 from kinema.train.distributed import broadcast_object, is_main, world
 from kinema.train.actor import ActorLoss, actor_updates, ema_update, policy_features, split_per_episode
 from kinema.train.buffer import StepBuffer
@@ -150,9 +150,10 @@ class RLMethod:
         episodes = [ep for round_eps in learner.replay for ep in round_eps]
         record["replay/episodes"] = len(episodes)
         buffer = StepBuffer.from_episodes(episodes, CAMERAS, image_size=learner.policy.config.image_size)  # robot cameras may differ
-        features = split_per_episode(policy_features(learner.acting, buffer), buffer)
-        if cfg.rl.success_model:  # RLER: calibration on the fresh rollouts, then a refit
-            record.update(learner.success_model.score_and_refit(new, features[-len(new) :], target=cfg.rl.success_target))
+        with learning_threads(cfg):
+            features = split_per_episode(policy_features(learner.acting, buffer), buffer)
+            if cfg.rl.success_model:  # RLER: calibration on the fresh rollouts, then a refit
+                record.update(learner.success_model.score_and_refit(new, features[-len(new) :], target=cfg.rl.success_target))
         return Rollouts(round_index, new, episodes, buffer, features)
 
     def update(self, rollouts: Rollouts | None, record: dict[str, Any], progress: RunProgress) -> None:
