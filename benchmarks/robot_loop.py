@@ -71,9 +71,9 @@ def _train(run: Path, args: list[str], env: dict[str, str]) -> None:
         raise SystemExit(f"{run}: kinema train failed; see {run.parent / 'logs' / f'{run.name}.err'}")
 
 
-def _sim_robot(task: str, seed: int, person: bool, log: Path, env: dict[str, str]) -> subprocess.Popen:
-    return _kinema("sim-robot", "--task", task, "--seed", str(seed), "--backend", "dds", *(["--person"] if person else []),
-                   log=log, env=env)  # fmt: skip
+def _sim_robot(task: str, seed: int, person: bool, log: Path, env: dict[str, str], camera_rate: float) -> subprocess.Popen:
+    return _kinema("sim-robot", "--task", task, "--seed", str(seed), "--backend", "dds", "--camera-rate", str(camera_rate),
+                   *(["--person"] if person else []), log=log, env=env)  # fmt: skip
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -91,14 +91,15 @@ def _success(run: Path, stage: str) -> dict:
     return {"success": record["train/success"], "outcomes": dict(zip(record["train/seeds"], record["train/outcomes"]))}
 
 
-def deploy_parity(sft: Path, task: str, seed: int, episodes: int, seconds: float, folder: Path, env: dict[str, str]) -> dict:
+def deploy_parity(sft: Path, task: str, seed: int, episodes: int, seconds: float, folder: Path, env: dict[str, str],
+                  camera_rate: float) -> dict:
     """The SFT checkpoint through the bridge on the scenes of the first `episodes` evaluation seeds of run seed `seed`,
     against `kinema eval`'s outcomes (the SFT run's own evaluation) on the same seeds."""
     kept = folder / "parity.json"
     if kept.exists():
         return json.loads(kept.read_text())
     first = EVAL_SEED_OFFSET + seed * RUN_SEED_STRIDE
-    robot = _sim_robot(task, first, False, folder / "logs" / "parity-sim.out", env)
+    robot = _sim_robot(task, first, False, folder / "logs" / "parity-sim.out", env, camera_rate)
     try:
         time.sleep(3.0)
         deploy = _kinema("deploy", "--policy", str(sft / "checkpoints" / "sft"), "--backend", "dds", "--episodes",
@@ -126,6 +127,8 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=300, help="actor updates per round")
     parser.add_argument("--eval-episodes", type=int, default=100, help="per split, final evaluation in simulation")
     parser.add_argument("--parity-episodes", type=int, default=20)
+    parser.add_argument("--camera-rate", type=float, default=30.0,
+                        help="the sim robot's cameras in Hz (kinema sim-robot's; the state is 100 Hz, control 20 Hz)")
     parser.add_argument("--out", default="runs/robot_loop")
     parser.add_argument("--quick", action="store_true")
     args, extra = parser.parse_known_args()
@@ -157,13 +160,13 @@ def main() -> None:
         _train(folder / "in_sim", [*arm_args, *start], env)
         loop = folder / "loop"
         if not _finished(loop):
-            robot = _sim_robot(args.task, 5000 + 100 * seed, True, folder / "logs" / "loop-sim.out", env)
+            robot = _sim_robot(args.task, 5000 + 100 * seed, True, folder / "logs" / "loop-sim.out", env, args.camera_rate)
             try:
                 _train(loop, [*arm_args, *start, "--robot", "sim_panda", "--robot.backend", "dds",
                               "--robot.episode_seconds", str(seconds)], env)  # fmt: skip
             finally:
                 _stop(robot)
-        parity = deploy_parity(sft, args.task, seed, args.parity_episodes, seconds, folder, env)
+        parity = deploy_parity(sft, args.task, seed, args.parity_episodes, seconds, folder, env, args.camera_rate)
         rounds = [r for r in _records(loop) if r.get("kind") == "round"]
         from diffusion_rl.data.lerobot_v3 import LeRobotDatasetReader
 
@@ -184,6 +187,7 @@ def main() -> None:
 
     print(json.dumps({
         "task": args.task, "seeds": len(per_seed), "rounds": args.rounds, "episodes_per_round": args.episodes,
+        "camera_rate": args.camera_rate,
         "loop": {"success": mean("loop")}, "in_sim": {"success": mean("in_sim")}, "sft": {"success": mean("sft")},
         "loop_minus_in_sim": round(mean("loop") - mean("in_sim"), 3),
         "takeovers_first_round": mean("takeovers_first_round"), "takeovers_last_round": mean("takeovers_last_round"),
