@@ -155,3 +155,44 @@ def test_rollout_noise_scale_zero_makes_the_rounds_rollouts_act_from_zero_noise(
             common.load_config(None, ["--rl.method", method, "--rl.rollout_noise_scale", "0.5"], config_class=TrainConfig)
     with pytest.raises(ValueError, match="rl.rollout_noise_scale scales the VLA's initial flow noise"):
         common.load_config(None, ["--rl.rollout_noise_scale", "-1"], config_class=TrainConfig)
+
+
+def test_plan_ahead_runs_each_chunk_from_index_1_as_the_policy_node_does():
+    """`rl.rollout_plan_ahead`: a chunk planned at tick s runs its actions 1..n at ticks s+1..s+n, while tick s runs
+    the last of the chunk before (the node's schedule); an episode's first chunk starts at index 0."""
+    from kinema.train.evaluate import PlanAheadChunkPolicy
+    from sim.rollout import collect, make_vector
+
+    class Recording(PlanAheadChunkPolicy):
+        def sample(self, batch):
+            chunks = super().sample(batch)
+            planned.append(chunks[0].numpy().copy())
+            return chunks
+
+    planned: list[np.ndarray] = []
+    policy = tiny_policy().eval()  # chunks of 4, n_action_steps 2
+    vector = make_vector("push", 1, num_workers=0, image_size=32, config={"horizon": 12, "num_distractors": 0})
+    try:
+        (episode,) = collect(vector, Recording(policy), [5], task_id="push")
+    finally:
+        vector.close()
+    expected = [planned[0][0], planned[0][1]]
+    for before, chunk in zip(planned, planned[1:]):
+        expected += [before[2], chunk[1]]
+    np.testing.assert_array_equal(episode.action, np.stack(expected)[: len(episode)])
+    assert len(episode) == 12 and len(planned) == 6
+    with pytest.raises(ValueError, match="chunk_size 4 must exceed n_action_steps 4"):
+        PlanAheadChunkPolicy(policy, n_action_steps=4)
+
+
+def test_plan_ahead_is_refused_where_a_method_acts_with_a_runner_of_its_own_or_a_robot_runs_the_rounds():
+    from kinema.train.config import TrainConfig
+
+    def load(*args):
+        return common.load_config(None, ["--rl.rollout_plan_ahead", "true", *args], config_class=TrainConfig)
+
+    assert load("--rl.method", "habc").rl.rollout_plan_ahead
+    with pytest.raises(ValueError, match="rl.method 'dsrl' acts with a runner of its own"):
+        load("--rl.method", "dsrl")
+    with pytest.raises(ValueError, match="a robot's rounds already run through the node"):
+        load("--robot.config", "sim_panda")

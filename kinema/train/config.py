@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import draccus
 
 from kinema.train.actor import REPLAY_MIXING
-from kinema.train.methods import METHODS
+from kinema.train.methods import METHODS, RLMethod
 from kinema.train.methods.base import HUMAN_STEPS
 from sim.experts import OPERATORS
 
@@ -70,6 +70,9 @@ class RLRoundOptions:
     # The ODE sampler's initial noise in the rollouts, scaled: 1 sampled (as the methods specify); below 1 the rollouts
     # act nearer the policy's mode (ours: more successes per round to learn from, less spread between them).
     rollout_noise_scale: float = 1.0
+    # Rollouts execute chunks as the ROS 2 policy node does, each planned one tick ahead (ours: the in-simulation
+    # counterpart of a robot loop's rollouts, benchmarks/robot_loop.py)
+    rollout_plan_ahead: bool = False
     # The human's steps every method imitates: all (recovery and correction, as RaC and HG-DAgger) | correction (ours:
     # without the recovery drive back to the last good pose)
     human_steps: str = "all"
@@ -341,6 +344,10 @@ class TrainConfig:
             raise ValueError("policy.type smolvla starts from policy.checkpoint (a LeRobot SmolVLA folder, or a kinema run's "
                              f"checkpoint of one); init_policy {self.init_policy!r} has no part: name it as policy.checkpoint")  # fmt: skip
         METHODS[self.rl.method].check_config(self)
+        if self.rl.rollout_plan_ahead and (METHODS[self.rl.method].rollout_plan is not RLMethod.rollout_plan or self.robot.config):
+            raise ValueError(f"rl.rollout_plan_ahead runs the policy's own chunks in simulation as the ROS 2 node would; "
+                             f"rl.method {self.rl.method!r} acts with a runner of its own" if not self.robot.config else
+                             "rl.rollout_plan_ahead is for rounds in simulation: a robot's rounds already run through the node")  # fmt: skip
         if self.rl.replay_mixing not in REPLAY_MIXING:
             raise ValueError(f"rl.replay_mixing {self.rl.replay_mixing!r} is not known; valid: {', '.join(REPLAY_MIXING)}")
         if self.rl.human_steps not in HUMAN_STEPS:

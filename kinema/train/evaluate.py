@@ -109,6 +109,42 @@ class ChunkPolicy:
         self.records[(episode, step)] = {**obs, **{k: (v[env_index] if v.ndim > 1 else v) for k, v in record.items()}}
 
 
+class PlanAheadChunkPolicy(ChunkPolicy):
+    """Chunks executed as the ROS 2 policy node executes them (robot/policy_node.py): a chunk planned from the
+    observation of tick s runs from its index 1 at ticks s+1, s+2, ..., while tick s still executes the last action of
+    the chunk before, so an action is always decided from an earlier tick's observation. For rollouts in simulation
+    that match a robot loop's (`rl.rollout_plan_ahead`); an episode's first chunk starts at index 0."""
+
+    def __init__(self, policy: Any, **kwargs: Any) -> None:
+        super().__init__(policy, **kwargs)
+        if policy.config.chunk_size < self.n_action_steps + 1:
+            raise ValueError(f"planning ahead runs a chunk from index 1: chunk_size {policy.config.chunk_size} must exceed "
+                             f"n_action_steps {self.n_action_steps}")  # fmt: skip
+        self._previous: dict[int, np.ndarray] = {}  # per env: the chunk it runs now
+        self._planned: np.ndarray | None = None  # this call's chunks, kept by the envs that take them
+
+    def reset(self, indices: Sequence[int]) -> None:
+        for i in indices:
+            self._previous.pop(i, None)
+
+    def __call__(self, obs: dict[str, Any]) -> np.ndarray:
+        n = self.n_action_steps
+        saved, self.n_action_steps = self.n_action_steps, self.policy.config.chunk_size
+        try:
+            chunks = super().__call__(obs)  # whole chunks
+        finally:
+            self.n_action_steps = saved
+        self._planned = chunks
+        out = chunks[:, :n].copy()
+        for i, previous in self._previous.items():
+            out[i] = np.concatenate([previous[n : n + 1], chunks[i, 1:n]])
+        return out
+
+    def chunk_taken(self, env_index: int, episode: int, step: int) -> None:
+        super().chunk_taken(env_index, episode, step)
+        self._previous[env_index] = self._planned[env_index]
+
+
 class SelectChunkPolicy(ChunkPolicy):
     """Best-of-N by value: PA-RL's action choice, V-GPS at inference, and the video policy's planning.
     `num_samples` chunks per observation, and the one valued most is executed. The value is a chunk critic's (the

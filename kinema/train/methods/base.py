@@ -20,7 +20,7 @@ from kinema.common import Run, learning_threads
 from kinema.train.distributed import broadcast_object, is_main, world
 from kinema.train.actor import ActorLoss, actor_updates, ema_update, policy_features, split_per_episode
 from kinema.train.buffer import StepBuffer
-from kinema.train.evaluate import Acting, ChunkPolicy, SelectChunkPolicy, summarize
+from kinema.train.evaluate import Acting, ChunkPolicy, PlanAheadChunkPolicy, SelectChunkPolicy, summarize
 from kinema.train.progress import RunProgress
 from kinema.train.success import RolloutSuccessModel
 from sim.env import CAMERAS
@@ -123,7 +123,8 @@ class RLMethod:
     def rollout_plan(self, first_seed: int) -> tuple[list[int], ChunkPolicy]:
         """The round's seeds and the runner that acts: distinct seeds, the acting policy's ODE chunks (from initial
         noise scaled by `rl.rollout_noise_scale`)."""
-        runner = ChunkPolicy(self.learner.acting, noise_scale=self.cfg.rl.rollout_noise_scale)
+        runner = (PlanAheadChunkPolicy if self.cfg.rl.rollout_plan_ahead else ChunkPolicy)(
+            self.learner.acting, noise_scale=self.cfg.rl.rollout_noise_scale)  # fmt: skip
         return list(range(first_seed, first_seed + self.cfg.rl.episodes_per_round)), runner
 
     def roll_out(self, round_index: int, record: dict[str, Any], progress: RunProgress) -> Rollouts | None:
