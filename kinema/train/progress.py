@@ -19,9 +19,10 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 KINDS = ("demo", "sft", "eval", "rollout", "update")
-# Seconds per unit before the run has measured any (a 2-core CPU, the tiny VLA, 64 px cameras): the first minutes'
-# estimate only. "update" is a whole round's critics and actor updates, priced per actor update.
-PRIORS = {"demo": 0.5, "sft": 0.08, "eval": 2.0, "rollout": 2.0, "update": 0.12}
+# Seconds per unit before the run has measured any (the default run on a 2-core CPU, 12-06: the tiny VLA, 64 px
+# cameras, 2 env workers, SFT and updates on both cores): the first minutes' estimate only. "update" is a whole
+# round's critics and actor updates, priced per actor update.
+PRIORS = {"demo": 0.3, "sft": 0.1, "eval": 0.5, "rollout": 0.6, "update": 0.17}
 SHARED = {"eval": "rollout", "rollout": "eval"}  # an evaluation episode costs about what a rollout does
 
 
