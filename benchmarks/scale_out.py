@@ -137,8 +137,7 @@ def main() -> None:
     note(f"local Ray started in {result['ray_start_s']} s")
     env_kwargs = dict(image_size=args.image_size, config={"horizon": args.horizon, "num_distractors": 0})
     t0 = time.perf_counter()
-    pool = ray_rollout.RayRolloutPool("push", num_workers=2, envs_per_worker=envs_per_worker, env_kwargs=env_kwargs,
-                                      policy_type="vla", policy_config=policy.config)  # fmt: skip
+    pool = ray_rollout.RayRolloutPool("push", num_workers=2, envs_per_worker=envs_per_worker, env_kwargs=env_kwargs)
     ray_rate(pool, policy, list(range(900, 900 + 2 * envs_per_worker)))  # actors up, weights loaded, renderers made
     result["ray_actor_start_s"] = round(time.perf_counter() - t0, 2)
     actors = pool.actors

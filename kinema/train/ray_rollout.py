@@ -1,10 +1,11 @@
 """Rollouts on Ray (`--rollout.backend ray`): actors that each own envs and a copy of the acting policy.
 
-A round puts the acting policy's weights in the object store once; every actor loads them once and runs its share of
-the seeds through `sim.rollout.collect` (the one seeds→episodes path, the same as the local backend's), returning
-`Episode`s. Sampling noise is drawn per (episode seed, step) (`ChunkPolicy`), so an episode is the same whichever actor
-plays it. Seeds go out in small tasks from a queue: an actor that dies mid-round is replaced and its task's seeds are
-played again, and the round reports how many episodes it re-ran.
+A round puts the acting policy in the object store once, saved whole (its weights and whatever else it acts with);
+every actor loads it once and runs its share of the seeds through `sim.rollout.collect` (the one seeds→episodes path,
+the same as the local backend's), returning `Episode`s. Sampling noise is drawn per (episode seed, step)
+(`ChunkPolicy`), so an episode is the same whichever actor plays it. Seeds go out in small tasks from a queue: an
+actor that dies mid-round is replaced and its task's seeds are played again, and the round reports how many episodes
+it re-ran.
 
 Without `ray.address` a local Ray starts on 127.0.0.1 with no dashboard, usage statistics off, a small object store
 and a bounded number of CPUs; `ray.address auto` (or `ray://host:port`) joins a running cluster instead.
@@ -12,6 +13,7 @@ and a bounded number of CPUs; `ray.address auto` (or `ray://host:port`) joins a 
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import time
@@ -70,16 +72,15 @@ def connect(address: str = "", *, num_cpus: int = 1, object_store_mb: int = 256)
 class RolloutWorker:
     """A Ray actor: `num_envs` envs stepped in its process and a copy of the policy, loaded once per weights version."""
 
-    def __init__(self, task: str, num_envs: int, env_kwargs: dict[str, Any], policy_type: str, policy_config: Any,
-                 device: str = "cpu", threads: int = 1) -> None:  # fmt: skip
+    def __init__(self, task: str, num_envs: int, env_kwargs: dict[str, Any], device: str = "cpu", threads: int = 1) -> None:
         os.environ["LP_NUM_THREADS"] = "1"  # as sim.vector's workers: llvmpipe would start a thread per core
         os.environ.setdefault("MUJOCO_GL", "egl")
         torch.set_num_threads(threads)
-        from policies import make_policy
         from sim.rollout import make_vector
 
         self.vector = make_vector(task, num_envs, num_workers=0, **env_kwargs)
-        self.policy = make_policy(policy_type, policy_config).to(device).eval().requires_grad_(False)
+        self.device = device
+        self.policy: Any = None
         self.version: int | None = None
 
     def pid(self) -> int:
@@ -87,14 +88,15 @@ class RolloutWorker:
 
     def collect(self, weights: list[Any], version: int, seeds: list[int], runner_options: dict[str, Any],
                 task_id: str, policy_version: str) -> tuple[list[Episode], dict[tuple[int, int], dict[str, Any]]]:  # fmt: skip
-        """One episode per seed; `weights` is `[ObjectRef]` (nested, so it is fetched only when the version changes)."""
+        """One episode per seed; `weights` is `[ObjectRef]` to the acting policy, saved whole (nested, so it is
+        fetched only when the version changes)."""
         from kinema.train.evaluate import ChunkPolicy
         from sim.rollout import collect
 
         if version != self.version:
             ray = _import_ray()
-            state = ray.get(weights[0])
-            self.policy.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+            blob = ray.get(weights[0])
+            self.policy = torch.load(io.BytesIO(blob), map_location=self.device, weights_only=False).eval().requires_grad_(False)
             self.version = version
         runner = ChunkPolicy(self.policy, **runner_options)
         episodes = collect(self.vector, runner, seeds, task_id=task_id, policy_version=policy_version)
@@ -105,7 +107,7 @@ class RayRolloutPool:
     """`num_workers` RolloutWorker actors kept across rounds; `run` plays one episode per seed on them."""
 
     def __init__(self, task: str, *, num_workers: int, envs_per_worker: int, env_kwargs: dict[str, Any],
-                 policy_type: str, policy_config: Any, gpus_per_worker: float = 0.0) -> None:  # fmt: skip
+                 gpus_per_worker: float = 0.0) -> None:  # fmt: skip
         ray = _import_ray()
         if not ray.is_initialized():
             raise RuntimeError("Ray is not running: call kinema.train.ray_rollout.connect() first")
@@ -113,7 +115,7 @@ class RayRolloutPool:
         self.envs_per_worker = envs_per_worker
         device = "cuda" if gpus_per_worker > 0 else "cpu"
         self._remote = ray.remote(num_cpus=1, num_gpus=gpus_per_worker, max_restarts=0)(RolloutWorker)
-        self._args = (task, envs_per_worker, env_kwargs, policy_type, policy_config, device)
+        self._args = (task, envs_per_worker, env_kwargs, device)
         self.actors = [self._new_actor() for _ in range(num_workers)]
         self._version = 0
         self.last_broadcast: dict[str, float] = {}
@@ -137,10 +139,13 @@ class RayRolloutPool:
 
         ray = self.ray
         start = time.perf_counter()
-        state = {k: v.detach().cpu().numpy() for k, v in policy.state_dict().items()}
-        weights = [ray.put(state)]  # once per round, whatever the number of actors and tasks
+        # The policy whole, not its state_dict: what it acts with beyond its weights (a SmolVLA's normalisation
+        # stats, kept out of LeRobot's state dict) travels too, and no actor needs to rebuild it from its config.
+        buffer = io.BytesIO()
+        torch.save(policy, buffer)
+        weights = [ray.put(buffer.getvalue())]  # once per round, whatever the number of actors and tasks
         self._version += 1
-        self.last_broadcast = {"ms": (time.perf_counter() - start) * 1e3, "bytes": float(sum(v.nbytes for v in state.values()))}
+        self.last_broadcast = {"ms": (time.perf_counter() - start) * 1e3, "bytes": float(buffer.getbuffer().nbytes)}
         # About TASKS_PER_ACTOR tasks per actor: each keeps its envs busy across seeds as a local round does, the queue
         # still balances the actors, and a dead actor's re-run is bounded to its task.
         size = max(1, self.envs_per_worker, -(-len(seeds) // (TASKS_PER_ACTOR * len(self.actors))))
@@ -200,14 +205,13 @@ def pool_for(cfg: Any, env_kwargs: dict[str, Any], policy: Any, num_seeds: int) 
     global _POOL, _STARTED
     workers = max(1, cfg.rollout.ray_workers or cfg.workers)
     envs = -(-max(1, min(cfg.num_envs, num_seeds)) // workers)
-    key = (cfg.task, repr(env_kwargs), workers, envs, cfg.rollout.gpus_per_worker, repr(policy.config))
+    key = (cfg.task, repr(env_kwargs), workers, envs, cfg.rollout.gpus_per_worker)  # any policy: it travels whole
     if _POOL is not None and _POOL[0] == key:
         return _POOL[1]
     shutdown(keep_ray=True)
     _STARTED = connect(cfg.ray.address, num_cpus=cfg.ray.num_cpus or workers, object_store_mb=cfg.ray.object_store_mb) or _STARTED
-    policy_type = policy.config.to_dict().get("policy_type", "vla")  # the registered type, as checkpoints record it
     pool = RayRolloutPool(cfg.task, num_workers=workers, envs_per_worker=envs, env_kwargs=env_kwargs,
-                          policy_type=policy_type, policy_config=policy.config, gpus_per_worker=cfg.rollout.gpus_per_worker)  # fmt: skip
+                          gpus_per_worker=cfg.rollout.gpus_per_worker)  # fmt: skip
     _POOL = (key, pool)
     return pool
 
