@@ -92,7 +92,7 @@ def _success(run: Path, stage: str) -> dict:
 
 
 def deploy_parity(sft: Path, task: str, seed: int, episodes: int, seconds: float, folder: Path, env: dict[str, str],
-                  camera_rate: float) -> dict:
+                  camera_rate: float, inference: str = "async") -> dict:
     """The SFT checkpoint through the bridge on the scenes of the first `episodes` evaluation seeds of run seed `seed`,
     against `kinema eval`'s outcomes (the SFT run's own evaluation) on the same seeds."""
     kept = folder / "parity.json"
@@ -103,7 +103,8 @@ def deploy_parity(sft: Path, task: str, seed: int, episodes: int, seconds: float
     try:
         time.sleep(3.0)
         deploy = _kinema("deploy", "--policy", str(sft / "checkpoints" / "sft"), "--backend", "dds", "--episodes",
-                         str(episodes), "--duration", str(seconds), log=folder / "logs" / "parity-deploy.out", env=env)  # fmt: skip
+                         str(episodes), "--duration", str(seconds), "--inference", inference,
+                         log=folder / "logs" / "parity-deploy.out", env=env)  # fmt: skip
         if deploy.wait(episodes * (seconds + 30) + 60) != 0:
             raise SystemExit(f"kinema deploy failed; see {folder / 'logs' / 'parity-deploy.err'}")
     finally:
@@ -129,6 +130,8 @@ def main() -> None:
     parser.add_argument("--parity-episodes", type=int, default=20)
     parser.add_argument("--camera-rate", type=float, default=30.0,
                         help="the sim robot's cameras in Hz (kinema sim-robot's; the state is 100 Hz, control 20 Hz)")
+    parser.add_argument("--inference", choices=("async", "sync"), default="async",
+                        help="the policy node's, in the loop and the parity run (kinema deploy --inference)")
     parser.add_argument("--out", default="runs/robot_loop")
     parser.add_argument("--quick", action="store_true")
     args, extra = parser.parse_known_args()
@@ -163,10 +166,10 @@ def main() -> None:
             robot = _sim_robot(args.task, 5000 + 100 * seed, True, folder / "logs" / "loop-sim.out", env, args.camera_rate)
             try:
                 _train(loop, [*arm_args, *start, "--robot", "sim_panda", "--robot.backend", "dds",
-                              "--robot.episode_seconds", str(seconds)], env)  # fmt: skip
+                              "--robot.episode_seconds", str(seconds), "--robot.inference", args.inference], env)  # fmt: skip
             finally:
                 _stop(robot)
-        parity = deploy_parity(sft, args.task, seed, args.parity_episodes, seconds, folder, env, args.camera_rate)
+        parity = deploy_parity(sft, args.task, seed, args.parity_episodes, seconds, folder, env, args.camera_rate, args.inference)
         rounds = [r for r in _records(loop) if r.get("kind") == "round"]
         from diffusion_rl.data.lerobot_v3 import LeRobotDatasetReader
 
@@ -187,7 +190,7 @@ def main() -> None:
 
     print(json.dumps({
         "task": args.task, "seeds": len(per_seed), "rounds": args.rounds, "episodes_per_round": args.episodes,
-        "camera_rate": args.camera_rate,
+        "camera_rate": args.camera_rate, "inference": args.inference,
         "loop": {"success": mean("loop")}, "in_sim": {"success": mean("in_sim")}, "sft": {"success": mean("sft")},
         "loop_minus_in_sim": round(mean("loop") - mean("in_sim"), 3),
         "takeovers_first_round": mean("takeovers_first_round"), "takeovers_last_round": mean("takeovers_last_round"),

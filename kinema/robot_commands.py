@@ -55,6 +55,12 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
         help="a VLA's initial flow noise times S (1: sampled; 0: zero noise, deterministic and mode-seeking); "
         "default: the checkpoint's inference_noise_scale, the eval.noise_scale its training run evaluated with",
     )
+    deploy.add_argument(
+        "--inference", choices=("async", "sync"), default="async",
+        help="async: the next chunk is computed while the current one runs, and runs from its index 1; sync: a tick "
+        "with no action left computes the chunk and runs it from index 0, as kinema eval acts (the tick waits for the "
+        "policy; on drawer async cost 12 points of success in simulation: benchmarks/RESULTS.md)",
+    )
     deploy.add_argument("--robot", default=DEFAULT_ROBOT, help="robot config YAML, or a shipped name")
     deploy.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: rclpy where ROS 2 is installed, else dds")
     deploy.add_argument("--local", action=argparse.BooleanOptionalAction, default=True, help=LOCAL_HELP)
@@ -202,7 +208,8 @@ def deploy(args: argparse.Namespace) -> int:
         print(f"acting: {description}", file=sys.stderr, flush=True)
     results: list[dict[str, Any]] = []
     with _transport(args, "kinema_policy") as transport:
-        session = RobotSession(transport, robot, policy, instruction=args.instruction, record=args.record, marks_by_person=args.keys)
+        session = RobotSession(transport, robot, policy, instruction=args.instruction, record=args.record, marks_by_person=args.keys,
+                               inference=args.inference)  # fmt: skip
         if args.keys:
             from robot.recorder import KeyControl
 

@@ -15,7 +15,9 @@ transport's thread, with a watchdog tick when states stop). Inference is
 asynchronous: a worker thread computes the next chunk from the observation of tick s while the current chunk
 executes, and the loop never waits on it. A chunk planned at tick s is a plan for ticks s, s+1, ...; it is used from
 the first tick after it arrives, at the matching index (actions whose tick has passed are skipped). The next request
-goes out while `prefetch` actions remain, `prefetch` following the measured inference latency.
+goes out while `prefetch` actions remain, `prefetch` following the measured inference latency. With
+`inference="sync"` a tick that has no action left computes the chunk itself and runs it from index 0, as the
+simulator's evaluation does (the tick then waits for the policy).
 
 The policy interface is the VLA's: `reset()`, `predict_action_chunk(batch) -> (B, H, A)` (torch or numpy), with
 batch keys `observation.images.<cam>` (1, H, W, 3) uint8, `observation.state` (1, 8) float32 (EE pose from FK and the
@@ -56,6 +58,11 @@ log = logging.getLogger("kinema.robot")
 
 MAX_INSTRUCTION_CHARS = 1000
 TELEOP_TIMEOUT_S = 0.5  # a teleop command older than this is not executed (the arm holds)
+# async: the next chunk is computed in the background while the current one runs, and runs from index 1 (the loop
+# never waits); sync: at a tick with no action left the chunk is computed there and runs from index 0, as kinema eval
+# acts. Sync spends the inference time inside the tick; async cost a drawer SFT 12 points in simulation (each action
+# runs a tick later than the policy was trained to expect; benchmarks/RESULTS.md).
+INFERENCE_MODES = ("async", "sync")
 
 
 # ----- simple policies (no simulator needed) ---------------------------------------------------------------------------
@@ -138,20 +145,27 @@ class InferenceWorker:
                     return
                 batch, tick, generation = self._job  # type: ignore[misc]
                 self._job, self._busy = None, True
-            start = time.perf_counter()
-            try:
-                out = self.policy.predict_action_chunk(batch)
-                if hasattr(out, "detach"):
-                    out = out.detach().float().cpu().numpy()
-                out = np.asarray(out, np.float64)
-                if out.ndim != 3 or out.shape[0] != 1:
-                    raise ValueError(f"predict_action_chunk returned shape {out.shape}; expected (1, horizon, action_dim)")
-                result = _Result(out[0], tick, generation, time.perf_counter() - start)
-            except Exception as err:  # a failing policy must not take the control loop down: the arm holds
-                result = _Result(None, tick, generation, time.perf_counter() - start, f"{type(err).__name__}: {err}")
+            result = self._predict(batch, tick, generation)
             with self._cv:
                 self._result, self._busy = result, False
                 self._cv.notify_all()  # while_idle() waits for this
+
+    def predict_now(self, batch: dict[str, Any], tick: int, generation: int) -> _Result:
+        """The chunk for `batch` computed on the caller's thread (the node's synchronous inference)."""
+        return self.while_idle(lambda: self._predict(batch, tick, generation))
+
+    def _predict(self, batch: dict[str, Any], tick: int, generation: int) -> _Result:
+        start = time.perf_counter()
+        try:
+            out = self.policy.predict_action_chunk(batch)
+            if hasattr(out, "detach"):
+                out = out.detach().float().cpu().numpy()
+            out = np.asarray(out, np.float64)
+            if out.ndim != 3 or out.shape[0] != 1:
+                raise ValueError(f"predict_action_chunk returned shape {out.shape}; expected (1, horizon, action_dim)")
+            return _Result(out[0], tick, generation, time.perf_counter() - start)
+        except Exception as err:  # a failing policy must not take the control loop down: the arm holds
+            return _Result(None, tick, generation, time.perf_counter() - start, f"{type(err).__name__}: {err}")
 
     def close(self) -> None:
         with self._cv:
@@ -175,9 +189,13 @@ class PolicyNode:
         kinematics: Kinematics | None = None,
         clock: Callable[[], float] = time.monotonic,
         status_period_s: float = 1.0,
+        inference: str = "async",
     ) -> None:
         if trigger not in ("timer", "state"):
             raise ValueError(f"trigger must be 'timer' (control_hz) or 'state' (every fresh joint state); got {trigger!r}")
+        if inference not in INFERENCE_MODES:
+            raise ValueError(f"inference must be one of {', '.join(INFERENCE_MODES)}; got {inference!r}")
+        self.inference = inference
         self.transport, self.robot, self.policy = transport, robot, policy
         self.action_space = action_space or getattr(policy, "action_space", "ee_delta")
         if self.action_space not in ("ee_delta", "joint"):
@@ -503,6 +521,9 @@ class PolicyNode:
         else:
             while self._queue and self._queue[0][0] < tick:
                 self._queue.popleft()
+            if self.inference == "sync" and not self._queue and q is not None and (batch := self.observation()) is not None:
+                self._take(self.worker.predict_now(batch, tick, self._generation), tick, first=0)
+                self.stats.add("requests")
             if self._queue and q is not None:
                 _, action = self._queue.popleft()
                 popped = 1
@@ -519,7 +540,7 @@ class PolicyNode:
             decision = self.safety.filter(command, now)
         self._publish(decision, tick, takeover)
         # 4. The next chunk's request, after the command is out: building the observation is off the latency path.
-        if not takeover:
+        if not takeover and self.inference == "async":
             self._maybe_request(tick, popped)
         self.last_decision = decision
         self.stats.add(f"source_{'human' if takeover else 'policy'}")
@@ -529,7 +550,7 @@ class PolicyNode:
             self._status_pub.publish(msg.String(data=json.dumps(self.status())))
         return decision
 
-    def _take(self, result: _Result, tick: int) -> None:
+    def _take(self, result: _Result, tick: int, first: int = 1) -> None:
         if result.error:
             n = self.stats.add("policy_errors")
             if n == 1 or n % 100 == 0:
@@ -544,9 +565,10 @@ class PolicyNode:
             self.stats.add("bad_actions")
             log.error("policy chunk has action dim %d; the %s action space needs %d", result.chunk.shape[1], self.action_space, dim)
             return
-        # Planned for ticks result.tick, result.tick + 1, ...; action 0 is always in the past by now, so a chunk runs
-        # n_action_steps actions from index 1 (the next request goes out while the last ones execute).
-        plan = [(result.tick + i, result.chunk[i]) for i in range(1, min(len(result.chunk), 1 + self.n_action_steps))]
+        # Planned for ticks result.tick, result.tick + 1, ...; asynchronously, action 0 is always in the past by now,
+        # so a chunk runs n_action_steps actions from index 1 (the next request goes out while the last ones execute);
+        # synchronously (`first` 0) it runs from index 0 at the tick it was planned at, as in simulation.
+        plan = [(result.tick + i, result.chunk[i]) for i in range(first, min(len(result.chunk), first + self.n_action_steps))]
         plan = [(t, a) for t, a in plan if t >= tick]
         if not plan:
             self.stats.add("late_chunks")

@@ -42,13 +42,13 @@ def sleep_until(predicate: Callable[[], bool], timeout: float, step: float = 0.0
 class RobotSession:
     def __init__(
         self, transport: Transport, robot: RobotConfig, policy: Any, *, instruction: str = "", record: str | None = None,
-        marks_by_person: bool = False, task_id: str = "", policy_version: str = "deployment",
+        marks_by_person: bool = False, task_id: str = "", policy_version: str = "deployment", inference: str = "async",
     ) -> None:  # fmt: skip
         """`record`: a folder for the episodes (LeRobotDataset v3 + MCAP); `marks_by_person`: a person marks the
         recorded episodes (robot.recorder.KeyControl), not the session; `task_id`, `policy_version`: written with
-        each recorded episode (a training round's episodes carry the round)."""
+        each recorded episode (a training round's episodes carry the round); `inference`: the node's (async | sync)."""
         self.robot = robot
-        self.node = PolicyNode(transport, robot, policy, instruction=instruction)
+        self.node = PolicyNode(transport, robot, policy, instruction=instruction, inference=inference)
         self.recorder = (
             episode_recorder(transport, robot, self.node.mapper, record, instruction, task_id=task_id, policy_version=policy_version)
             if record else None

@@ -621,6 +621,32 @@ def test_state_triggered_node_answers_every_fresh_state_with_one_command():
         node.close()
 
 
+def test_synchronous_inference_runs_each_chunk_from_index_0_at_the_tick_it_was_planned_at():
+    """`inference="sync"`: as kinema eval acts (a chunk's action 0 at the tick of its observation, n_action_steps
+    actions, then a new chunk), where the asynchronous default runs a chunk from index 1, a tick later."""
+    policy = ScriptedJointPolicy()
+    node, fake, clock, _ = make(policy, inference="sync")
+    try:
+        for _ in range(8):
+            step(node, fake, clock)
+        assert policy.calls == 2 and len(policy.batches) == 2
+        assert [round(c[0], 2) for c in fake.commands] == [0.0, 0.01, 0.02, 0.03, 0.1, 0.11, 0.12, 0.13]
+        assert not node.worker.busy and node.stats.get("starved_ticks", 0) == 0
+    finally:
+        node.close()
+    asynchronous, fake, clock, _ = make(ScriptedJointPolicy())
+    try:
+        step(asynchronous, fake, clock)
+        wait_result(asynchronous)
+        for _ in range(3):
+            step(asynchronous, fake, clock)
+        assert [round(c[0], 2) for c in fake.commands[-3:]] == [0.01, 0.02, 0.03]  # from index 1, a tick after tick 0
+    finally:
+        asynchronous.close()
+    with pytest.raises(ValueError, match="inference must be one of async, sync; got 'later'"):
+        make(ScriptedJointPolicy(), inference="later")
+
+
 # ----- threads: episode control against a running tick and a running inference ---------------------------------------
 class RecordingPolicy(ScriptedJointPolicy):
     """Logs when predictions start and end and when reset runs, to check their order across threads."""

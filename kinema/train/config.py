@@ -131,6 +131,7 @@ class RobotLoopOptions:
     # routine) | operator: a person resets it and presses Enter in this terminal
     reset: str = "topic"
     sim_eval: bool = True  # also evaluate in the simulated task (SFT, each round, final); false: a robot with no sim twin
+    inference: str = "async"  # the policy node's (as `kinema deploy --inference`): async | sync (acts as the evaluation does)
 
 
 @dataclass
@@ -383,6 +384,10 @@ class TrainConfig:
                 raise ValueError(f"robot.config: the rounds' episodes come from the robot; rollout.backend {self.rollout.backend!r} has no part")
             if self.robot.reset not in ("topic", "operator"):
                 raise ValueError(f"robot.reset {self.robot.reset!r} is not known; valid: topic, operator")
+            from robot.policy_node import INFERENCE_MODES
+
+            if self.robot.inference not in INFERENCE_MODES:
+                raise ValueError(f"robot.inference {self.robot.inference!r} is not known; valid: {', '.join(INFERENCE_MODES)}")
             if self.robot.episode_seconds <= 0 or self.robot.wait_robot < 0:
                 raise ValueError(f"robot.episode_seconds must be > 0 and robot.wait_robot >= 0; got {self.robot.episode_seconds}, {self.robot.wait_robot}")
         if self.rollout.backend not in ROLLOUT_BACKENDS:

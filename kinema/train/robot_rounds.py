@@ -59,6 +59,7 @@ class RobotRounds:
         policy = load_policy(str(checkpoint), control_hz=self.robot.rates.control_hz)
         self.session = self._stack.enter_context(RobotSession(
             transport, self.robot, policy, instruction=opts.instruction, record=str(self.folder), task_id=self.cfg.task,
+            inference=opts.inference,
         ))  # fmt: skip
         self.session.wait_ready(opts.wait_robot)
         self.console.print(f"robot {self.robot.name}: acting with {checkpoint} ({policy.fingerprint}); recording to {self.folder}")
