@@ -79,8 +79,12 @@ class ChunkPolicy:
             noise = torch.randn(B, cfg.chunk_size, cfg.action_dim, device=self.policy.device)
         return self.policy.predict_action_chunk(batch, noise=noise * self.noise_scale)
 
-    @torch.no_grad()
     def __call__(self, obs: dict[str, Any]) -> np.ndarray:
+        return self.chunks(obs)[:, : self.n_action_steps]
+
+    @torch.no_grad()
+    def chunks(self, obs: dict[str, Any]) -> np.ndarray:
+        """Whole chunks (B, chunk_size, action_dim) for the batch of observations."""
         was_training = self.policy.training
         self.policy.eval()
         batch = {k: (torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v) for k, v in obs.items()}
@@ -90,7 +94,7 @@ class ChunkPolicy:
             chunk, record = self.policy.sample_chunk_sde(batch, noise_level=self.sde_noise)
             self._last = ({k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in batch.items()}, record)
         self.policy.train(was_training)
-        return chunk[:, : self.n_action_steps].cpu().numpy()
+        return chunk.cpu().numpy()
 
     def episode_finished(self, episode: int) -> None:
         self.finished.append(episode)
@@ -129,12 +133,7 @@ class PlanAheadChunkPolicy(ChunkPolicy):
 
     def __call__(self, obs: dict[str, Any]) -> np.ndarray:
         n = self.n_action_steps
-        saved, self.n_action_steps = self.n_action_steps, self.policy.config.chunk_size
-        try:
-            chunks = super().__call__(obs)  # whole chunks
-        finally:
-            self.n_action_steps = saved
-        self._planned = chunks
+        chunks = self._planned = self.chunks(obs)
         out = chunks[:, :n].copy()
         for i, previous in self._previous.items():
             out[i] = np.concatenate([previous[n : n + 1], chunks[i, 1:n]])
