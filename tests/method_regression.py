@@ -36,6 +36,9 @@ TINY = [
     "--workers", "0", "--num_envs", "4", "--policy.image_size", "32", "--task_config", '{"horizon": 100}',
     "--learner_threads", "1",  # as recorded: floats depend on the thread count
 ]  # fmt: skip
+# The recorded numbers are the SFT's and the round's, which no evaluation touches (the same with TINY's evaluations, as
+# first recorded): the recorded runs evaluate the least that a run allows.
+LEAST_EVALUATION = ["--eval.baseline", "false", "--eval.episodes", "1", "--eval.round_episodes", "1"]
 # One run per method, with the options that reach its distinct code paths. The simulated human makes some rollouts
 # succeed (an untrained policy never does), so that credit rules see both outcomes.
 CRITIC_STEPS = 5
@@ -136,7 +139,7 @@ def run_method(name: str, root: Path, *, legacy_names: bool = False) -> dict:
     args = list(RUNS[name])
     if legacy_names:
         args = [LEGACY.get(a, a) for a in args]
-    cfg = load_config(None, [*TINY, *args, "--out", str(root / name)], config_class=TrainConfig)
+    cfg = load_config(None, [*TINY, *LEAST_EVALUATION, *args, "--out", str(root / name)], config_class=TrainConfig)
     run = train(cfg, console=Console(file=open("/dev/null", "w")))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     numbers = {}

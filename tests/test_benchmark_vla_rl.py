@@ -4,10 +4,15 @@ killed before its first checkpoint set aside and trained again, and so an SFT wi
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import subprocess
 import sys
+import traceback
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -19,11 +24,34 @@ TINIER = ["--demos.episodes", "4", "--sft.steps", "6", "--rl.updates_per_round",
           "--num_envs", "2", "--task_config", '{"horizon": 30}']  # fmt: skip
 
 
-def bench(out: Path, *args: str) -> dict:
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--out", str(out), *TINIER, *args],  # args last: theirs win
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def benchmark_module():
+    if "vla_rl_benchmark" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("vla_rl_benchmark", BENCH)
+        sys.modules["vla_rl_benchmark"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+        spec.loader.exec_module(sys.modules["vla_rl_benchmark"])
+    return sys.modules["vla_rl_benchmark"]
+
+
+def run_benchmark(*args: str, in_process: bool = False) -> subprocess.CompletedProcess:
+    """`python benchmarks/vla_rl.py ARGS`; in_process: its main() in this process, without a fresh interpreter's
+    imports (2-5 s), the exit status and output as the subprocess gives them (an uncaught error: 1 and its traceback)."""
+    if not in_process:
+        return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=600)
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.object(sys, "argv", [str(BENCH), *args]), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            benchmark_module().main()
+            code = 0
+        except SystemExit as exit:  # argparse's errors
+            code = exit.code
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess([str(BENCH), *args], code, out.getvalue(), err.getvalue())
+
+
+def bench(out: Path, *args: str, in_process: bool = True) -> dict:
+    done = run_benchmark("--quick", "--out", str(out), *TINIER, *args, in_process=in_process)  # args last: theirs win
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -31,7 +59,8 @@ def bench(out: Path, *args: str) -> dict:
 @pytest.mark.slow
 def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     out = tmp_path / "bench"
-    first = bench(out, "--methods", "sft_continued,sft_long", "--jobs", "2")
+    # As a user runs it (a subprocess, runs in parallel subprocesses); the later invocations run in this process.
+    first = bench(out, "--methods", "sft_continued,sft_long", "--jobs", "2", in_process=False)
     runs = tmp_path / "bench_quick" / "drawer-s0"
     assert first["_meta"]["runs_trained"] == 3 and first["_meta"]["jobs"] == 2
     assert {p.name for p in (tmp_path / "bench_quick" / "logs").iterdir()} == {"drawer-s0-sft.log", "drawer-s0-sft_continued.log", "drawer-s0-sft_long.log"}
@@ -63,7 +92,7 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     # An SFT killed after its evaluation but before its checkpoint's state was written: set aside with the arms
     # that branched from it (they belong to another SFT), and everything trained again.
     (runs / "sft" / "state.json").unlink()
-    third = bench(out, "--methods", "sft_continued,awr", "--jobs", "2")
+    third = bench(out, "--methods", "sft_continued,awr", "--jobs", "2", in_process=False)
     assert third["_meta"]["runs_trained"] == 3
     assert {"sft-interrupted", "sft_continued-interrupted", "awr-interrupted-2"} <= {p.name for p in runs.iterdir()}
     assert all(json.loads((runs / m / "state.json").read_text()).get("final_done") for m in ("sft_continued", "awr"))
@@ -76,8 +105,7 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     assert fourth["_meta"]["runs_trained"] == 1 and fourth["per_task"]["drawer"]["eval_noise_scale"] == 0.0
     assert kept["noise_scale"] == 0.0 and kept["train/seeds"] == sft_record["train/seeds"]
     assert fourth["sft"]["success"] == kept["train/success"]
-    mixed = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(out), *TINIER, "--methods", "sft_continued,habc"],
-                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    mixed = run_benchmark("--quick", "--out", str(out), *TINIER, "--methods", "sft_continued,habc", in_process=True)
     assert mixed.returncode != 0 and "different eval.noise_scale" in mixed.stderr
 
     # --start: the arms branch from the control's final checkpoint, whose final evaluation is the `sft` row and whose
@@ -88,11 +116,8 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     config = (tmp_path / "staged_quick" / "drawer-s0" / "awr" / "config.yaml").read_text()
     assert f"init_policy: {runs / 'sft_continued' / 'checkpoints' / 'final'}" in config
     assert f"dataset: {runs / 'sft' / 'demos'}" in config
-    clash = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--out", str(out), "--methods", "sft_continued", "--start",
-         str(runs.parent / "{task}-s{seed}" / "sft_continued"), *TINIER],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    clash = run_benchmark("--quick", "--out", str(out), "--methods", "sft_continued", "--start",
+                          str(runs.parent / "{task}-s{seed}" / "sft_continued"), *TINIER, in_process=True)  # fmt: skip
     assert clash.returncode == 2 and "is also where an arm of this --out trains" in clash.stderr
     per_task = third["per_task"]["drawer"]
     assert per_task["awr"]["success"] == third["awr"]["success"] and per_task["awr"]["cpu_minutes"] > 0
@@ -114,29 +139,22 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
 
 
 def test_an_unknown_arm_is_refused_with_the_valid_ones(tmp_path: Path):
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "--methods", "habc,hbac", "--out", str(tmp_path / "bench")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_benchmark("--methods", "habc,hbac", "--out", str(tmp_path / "bench"), in_process=True)
     assert done.returncode == 2 and "unknown arm(s) hbac; valid: sft_continued" in done.stderr
     assert not (tmp_path / "bench").exists()  # refused before any run starts
 
 
 def test_a_start_that_is_not_a_finished_run_is_refused(tmp_path: Path):
     (tmp_path / "drawer-s0" / "sft_continued").mkdir(parents=True)
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "--tasks", "drawer", "--seeds", "1", "--methods", "habc", "--out", str(tmp_path / "bench"),
-         "--start", str(tmp_path / "{task}-s{seed}" / "sft_continued"), "--demos", "scripted"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_benchmark("--tasks", "drawer", "--seeds", "1", "--methods", "habc", "--out", str(tmp_path / "bench"),
+                         "--start", str(tmp_path / "{task}-s{seed}" / "sft_continued"), "--demos", "scripted", in_process=True)  # fmt: skip
     assert done.returncode == 2 and "drawer-s0/sft_continued is not a finished `kinema train` run" in done.stderr
     assert not (tmp_path / "bench").exists()
 
 
 def test_demo_regimes_are_checked_before_any_run(tmp_path: Path):
     def refused(*args: str) -> str:
-        done = subprocess.run([sys.executable, str(BENCH), "--tasks", "drawer", "--out", str(tmp_path / "bench"), *args],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        done = run_benchmark("--tasks", "drawer", "--out", str(tmp_path / "bench"), *args, in_process=True)
         assert done.returncode == 2
         return done.stderr
 
@@ -147,8 +165,8 @@ def test_demo_regimes_are_checked_before_any_run(tmp_path: Path):
 
 def test_arms_without_their_control_are_warned_of(tmp_path: Path):
     def stderr(methods: str) -> str:  # refused afterwards by a bad --demos, so that nothing trains
-        done = subprocess.run([sys.executable, str(BENCH), "--tasks", "drawer", "--out", str(tmp_path / "bench"),
-                               "--methods", methods, "--demos", "human"], capture_output=True, text=True, timeout=120)  # fmt: skip
+        done = run_benchmark("--tasks", "drawer", "--out", str(tmp_path / "bench"), "--methods", methods, "--demos", "human",
+                             in_process=True)  # fmt: skip
         assert done.returncode == 2 and "--demos: 'human'" in done.stderr
         return done.stderr
 
@@ -164,11 +182,7 @@ def test_task_entry_gives_the_margins_over_each_control():
     continued-SFT control, and
     best_hil_margin_over_hg_dagger over the human-in-the-loop arms only, against the better HG-DAgger with the same
     human."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("vla_rl_benchmark", Path(__file__).resolve().parent.parent / "benchmarks" / "vla_rl.py")
-    vla_rl = sys.modules["vla_rl_benchmark"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
-    spec.loader.exec_module(vla_rl)
+    vla_rl = benchmark_module()
 
     def row(success: float) -> dict:
         return {"success": [success], "heldout": [], "steps": [50.0], "gain": []}

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from cli_in_process import kinema_in_process
 
 from diffusion_rl.data import ExecutedBy, Segment
 from diffusion_rl.data.lerobot_v3 import read_episodes
@@ -78,7 +79,7 @@ def test_collect_refuses_a_foreign_folder(tmp_path: Path):
     precious = tmp_path / "thesis"
     precious.mkdir()
     (precious / "chapter1.tex").write_text("do not touch")
-    result = kinema("sim", "collect", "--task", "stack", "--episodes", "1", "--out", str(precious))
+    result = kinema_in_process("sim", "collect", "--task", "stack", "--episodes", "1", "--out", str(precious))
     assert result.returncode == 2
     assert "thesis" in result.stderr and "Traceback" not in result.stderr
     assert [p.name for p in precious.iterdir()] == ["chapter1.tex"]
@@ -86,7 +87,7 @@ def test_collect_refuses_a_foreign_folder(tmp_path: Path):
 
 
 def test_unknown_task_is_a_clear_error(tmp_path: Path):
-    result = kinema("sim", "collect", "--task", "stak", "--episodes", "1", "--out", str(tmp_path / "x"))
+    result = kinema_in_process("sim", "collect", "--task", "stak", "--episodes", "1", "--out", str(tmp_path / "x"))
     assert result.returncode == 2
     assert "unknown task 'stak'" in result.stderr and "Did you mean 'stack'" in result.stderr
     assert not (tmp_path / "x").exists()
@@ -114,12 +115,12 @@ def test_collect_extends_an_existing_dataset_with_new_seeds(tmp_path: Path):
 
 
 def test_bad_collect_flags_name_the_flag(tmp_path: Path):
-    result = kinema("sim", "collect", "--task", "push", "--episodes", "1", "--out", str(tmp_path / "x"), "--image-size", "33")
+    result = kinema_in_process("sim", "collect", "--task", "push", "--episodes", "1", "--out", str(tmp_path / "x"), "--image-size", "33")
     assert result.returncode == 2 and "--image-size" in result.stderr
-    result = kinema("sim", "collect", "--task", "push", "--episodes", "1", "--out", str(tmp_path / "x"), "--expert-noise", "-1")
+    result = kinema_in_process("sim", "collect", "--task", "push", "--episodes", "1", "--out", str(tmp_path / "x"), "--expert-noise", "-1")
     assert result.returncode == 2 and "--expert-noise" in result.stderr
     for flag, value in (("--video", "preview.avi"), ("--seed", "-5")):
-        result = kinema("sim", "collect", "--task", "push", "--episodes", "1", "--out", str(tmp_path / "x"), flag, value)
+        result = kinema_in_process("sim", "collect", "--task", "push", "--episodes", "1", "--out", str(tmp_path / "x"), flag, value)
         assert result.returncode == 2 and flag in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "x").exists()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import pytest
+from cli_in_process import kinema_in_process
 
 HERE = Path(__file__).parent
 TASK = "external_task_example:SlideMarker"
@@ -77,9 +78,9 @@ def test_an_external_task_that_misses_the_contract_gets_an_error_that_says_what_
     assert make(TASK, CONFIG, objects="train", instructions="train").reset(seed=0)[0]["task"] == CONFIG["instruction"]
     with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
         make("no_such_module:Env")
-    bad = kinema("train", "--task", TASK, "--out", str(tmp_path / "run"))
+    bad = kinema_in_process("train", "--task", TASK, "--out", str(tmp_path / "run"))
     assert bad.returncode == 2 and "has no scripted expert" in bad.stderr and "--dataset DIR" in bad.stderr
-    bad = kinema("sim", "collect", "--task", TASK, "--episodes", "1", "--out", str(tmp_path / "d"))
+    bad = kinema_in_process("sim", "collect", "--task", TASK, "--episodes", "1", "--out", str(tmp_path / "d"))
     assert bad.returncode == 2 and "collect with --policy" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -105,7 +106,7 @@ def test_an_everyday_gymnasium_env_is_refused_at_make_naming_the_contract(tmp_pa
         make("gym:CartPole-v1")
     with pytest.raises(ValueError, match=r"its action space is Discrete\(3\); kinema's policies act with a Box of 7"):
         make("test_external_tasks:SlideMarkerDiscrete", {"keys": CONFIG["keys"]})
-    bad = kinema("sim", "collect", "--task", "gym:CartPole-v1", "--policy", "random", "--episodes", "1",
+    bad = kinema_in_process("sim", "collect", "--task", "gym:CartPole-v1", "--policy", "random", "--episodes", "1",
                  "--out", str(tmp_path / "d"))
     assert bad.returncode == 2 and "observation space is Box(4,)" in bad.stderr, bad.stderr[-2000:]
     assert "Traceback" not in bad.stderr

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from method_regression import RUNS, TINY, environment_changes, reference, run_method, same
+from cli_in_process import kinema_in_process
+from method_regression import LEAST_EVALUATION, RUNS, TINY, environment_changes, reference, run_method, same
 
 from kinema.common import load_config
 from kinema.train.config import TrainConfig
@@ -119,7 +120,7 @@ def test_the_registry_is_the_list_of_methods_in_errors_and_help():
     assert list(METHODS) == ["habc", "sft_continued", "awr", "flow_ppo", "nft", "pa_rl", "dsrl", "residual", "hg_dagger", "recap", "none"]
     with pytest.raises(ValueError, match="rl.method 'ppo' is not known; valid: habc, sft_continued, awr, flow_ppo, nft, pa_rl, dsrl, residual, hg_dagger, recap, none"):
         load_config(None, ["--rl.method", "ppo"], config_class=TrainConfig)
-    helped = kinema("train", "--help")
+    helped = kinema_in_process("train", "--help")
     assert helped.returncode == 0
     for name, cls in METHODS.items():
         assert f"  {name}: {cls.summary}" in helped.stdout
@@ -143,7 +144,7 @@ def test_a_method_added_as_the_readme_shows_is_listed_configured_and_trained(tmp
         "sys.exit(main(sys.argv[1:]))\n"
     )
     run = tmp_path / "run"
-    args = ["train", *TINY, "--rl.method", "filtered_bc", "--rl.filtered_bc.min_replay", "0", "--out", str(run)]
+    args = ["train", *TINY, *LEAST_EVALUATION, "--rl.method", "filtered_bc", "--rl.filtered_bc.min_replay", "0", "--out", str(run)]
     done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"round"' in line]

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_in_process import kinema_in_process
 from method_regression import TINY
 from test_train_ppo import tiny_policy
 from test_vla import fake_batch
@@ -170,11 +171,11 @@ def test_dsrl_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_steers_with_i
     assert saved["name"] == "dsrl" and "agent" in saved["state"] and "transitions" not in saved["state"]  # eval needs no replay
     args, report = eval_as_the_run_did(run, tmp_path / "eval", seed=2)
     assert "DSRL noise actor" in report["acting"]
-    refused = kinema(*args, "--select", "2")
+    refused = kinema_in_process(*args, "--select", "2")
     assert refused.returncode != 0 and "--select needs a value for the chunks" in refused.stderr
-    refused = kinema(*args, "--select", "2", "--select-margin", "0.1")  # a margin needs a pa_rl critic
+    refused = kinema_in_process(*args, "--select", "2", "--select-margin", "0.1")  # a margin needs a pa_rl critic
     assert refused.returncode != 0 and "--select-margin applies to --select N > 1 with a pa_rl checkpoint" in refused.stderr
-    refused = kinema(*args, "--noise-scale", "0")  # its actor chooses the noise
+    refused = kinema_in_process(*args, "--noise-scale", "0")  # its actor chooses the noise
     assert refused.returncode != 0 and "acts with the noise its DSRL actor chooses" in refused.stderr
     # kinema deploy acts as kinema eval did (load_acting): steered by the actor's mean noise, so the same observation
     # gives the same chunk twice, where the VLA alone samples its noise.

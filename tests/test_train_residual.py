@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_in_process import kinema_in_process
 from test_train_pa_rl_dsrl import (
     act,
     eval_as_the_run_did,
@@ -150,7 +151,7 @@ def test_residual_keeps_the_vla_frozen_saves_its_actor_and_kinema_eval_acts_with
     assert 0 < transitions["noise"].abs().max() <= 1.0 and transitions["noise"].shape[1] == shape["noise_dim"]
 
     # --resume with another bound would reread the stored corrections at another scale: refused, by name.
-    refused = kinema("train", "--resume", str(run), "--rl.rounds", "2", "--rl.residual.scale", "0.3")
+    refused = kinema_in_process("train", "--resume", str(run), "--rl.rounds", "2", "--rl.residual.scale", "0.3")
     assert refused.returncode != 0 and "rl.residual differs from the run's: scale 0.3 (the run's 0.2)" in refused.stderr
     _, report = eval_as_the_run_did(run, tmp_path / "eval", seed=2)
     assert "residual correction (bound ±0.2)" in report["acting"] and report["noise_scale"] == 0.0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_in_process import kinema_in_process
 import torch
 from test_board import scalars
 
@@ -115,13 +116,13 @@ def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
     report = json.loads((out / "eval.json").read_text())
     assert report["results"]["train"]["episodes"] == 2 and report["seen_tasks"] == ["drawer"]
     assert report["task_config"] == {"num_distractors": 0}
-    bad = kinema("eval", "--policy", str(run / "checkpoints" / "round-002"), "--task", "push", "--task-config", "[0]")
+    bad = kinema_in_process("eval", "--policy", str(run / "checkpoints" / "round-002"), "--task", "push", "--task-config", "[0]")
     assert bad.returncode != 0 and "--task-config must be a JSON object" in bad.stderr
     assert "unseen" in (out / "report.md").read_text()
     # Bad arguments are refused before the first episode, and the earlier report stays.
     before = (out / "eval.json").read_text()
     for args, message in ((["--episodes", "0"], "--episodes must be >= 1"), (["--splits", "train,"], "unknown split")):
-        bad = kinema("eval", "--policy", str(run / "checkpoints" / "round-002"), "--task", "push", "--out", str(out), *args)
+        bad = kinema_in_process("eval", "--policy", str(run / "checkpoints" / "round-002"), "--task", "push", "--out", str(out), *args)
         assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert (out / "eval.json").read_text() == before
 
@@ -129,7 +130,7 @@ def test_train_runs_end_to_end_and_resumes(tmp_path: Path):
 def test_fresh_train_refuses_an_existing_run(tmp_path: Path):
     (tmp_path / "state.json").write_text("{}")
     (tmp_path / "state.json").write_text(json.dumps({"round": 0}))
-    result = kinema("train", *TINY, "--out", str(tmp_path))
+    result = kinema_in_process("train", *TINY, "--out", str(tmp_path))
     assert result.returncode == 2 and "already holds a run" in result.stderr
 
 
@@ -147,7 +148,7 @@ def test_unknown_config_keys_list_the_valid_ones(tmp_path: Path):
         load_config(None, ["--demos", "scripted", "--demos.source", "scripted"])
     with pytest.raises(ValueError, match=r"--rl.habc is a group of config keys"):
         load_config(None, ["--rl.habc=1"])
-    result = kinema("train", "--rl.roundz", "3")
+    result = kinema_in_process("train", "--rl.roundz", "3")
     assert result.returncode == 2 and "valid keys here" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -158,7 +159,7 @@ def test_bad_values_and_bad_yaml_name_the_key_or_the_file(tmp_path: Path):
     bad.write_text("rl:\n  rounds: [3\n")
     with pytest.raises(ValueError, match="broken.yaml is not valid YAML"):
         load_config(str(bad))
-    result = kinema("train", "--config", str(bad))
+    result = kinema_in_process("train", "--config", str(bad))
     assert result.returncode == 2 and "is not valid YAML" in result.stderr and "Traceback" not in result.stderr
     with pytest.raises(FileNotFoundError, match="is a folder, not a YAML file"):
         load_config(str(tmp_path))
@@ -182,7 +183,7 @@ def test_resume_refuses_overrides_of_what_the_run_was_made_with_and_keeps_the_ru
     with pytest.raises(ValueError, match=rf"--resume cannot change {key} .* Nothing in .* was changed"):
         load_run_config(None, fixed, str(tmp_path), **kwargs)
     command = ("train",) if config_class == "train" else ("video", "train")
-    result = kinema(*command, "--resume", str(tmp_path), *fixed)  # the CLI checks before the run rewrites config.yaml
+    result = kinema_in_process(*command, "--resume", str(tmp_path), *fixed)  # the CLI checks before the run rewrites config.yaml
     assert result.returncode == 2 and "--resume cannot change" in result.stderr and "Traceback" not in result.stderr
     assert (tmp_path / "config.yaml").read_text() == saved
     assert free[1](load_run_config(None, free[0], str(tmp_path), **kwargs))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import video_method_regression
+from cli_in_process import kinema_in_process
 from method_regression import same
 from test_board import scalars
 
@@ -215,7 +216,7 @@ def kinema_video(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_command_reports_bad_input_with_exit_code_2(tmp_path: Path):
-    result = kinema_video("train", "--train.method", "ppo", "--out", str(tmp_path / "run"))
+    result = kinema_in_process("video", "train", "--train.method", "ppo", "--out", str(tmp_path / "run"))
     assert result.returncode == 2 and "valid: awr, nft, distill, afd, opsd, flow_grpo" in result.stderr
 
 
@@ -249,7 +250,7 @@ def test_video_train_end_to_end_and_resume(tmp_path: Path):
     board = scalars(run)  # the TensorBoard view, stepped by round
     assert [step for step, _ in board["eval/round/eval/success"]] == [1, 2, 3]
     assert [step for step, _ in board["eval/after/eval/success"]] == [2, 3]
-    again = kinema_video("train", *args)
+    again = kinema_in_process("video", "train", *args)
     assert again.returncode == 2 and "already holds a run" in again.stderr
 
 
