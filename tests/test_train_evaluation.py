@@ -4,6 +4,7 @@ the same on the same seeds whatever the process layout, and two checkpoints on t
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -121,26 +122,23 @@ def test_rollout_noise_scale_zero_makes_the_rounds_rollouts_act_from_zero_noise(
     """`rl.rollout_noise_scale 0`: a round's rollouts start every chunk from zero noise. Round 1 acts with the SFT
     weights, so each rollout's first actions are the SFT checkpoint's zero-noise chunk for its first observation
     (sampled noise, the default, would give other actions)."""
-    import subprocess
-    import sys
-
-    from method_regression import TINY
+    from method_regression import LEAST_EVALUATION, TINY
+    from rich.console import Console
 
     from diffusion_rl.data.lerobot_v3 import read_episodes
     from kinema.train.config import TrainConfig
+    from kinema.train.workflow import train
     from policies import load_policy
 
-    run = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "kinema.cli", "train", *TINY, "--rl.method", "sft_continued", "--out", str(run)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    # sft_continued does not roll out; habc does, from the same SFT checkpoint
-    done = subprocess.run([sys.executable, "-m", "kinema.cli", "train", *TINY, "--rl.method", "habc", "--rl.habc.critic_steps", "2",
-                           "--rl.rollout_noise_scale", "0", "--init_policy", str(run / "checkpoints" / "sft"),
-                           "--dataset", str(run / "demos"), "--out", str(tmp_path / "habc")],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    policy = load_policy(run / "checkpoints" / "sft").eval()
+    def run(*args: str) -> None:
+        quiet = Console(file=open(os.devnull, "w"))
+        train(common.load_config(None, [*TINY, *LEAST_EVALUATION, *args], config_class=TrainConfig), console=quiet)
+
+    sft = tmp_path / "sft"
+    run("--rl.method", "none", "--out", str(sft))
+    run("--rl.method", "habc", "--rl.habc.critic_steps", "2", "--rl.rollout_noise_scale", "0", "--init_policy",
+        str(sft / "checkpoints" / "sft"), "--dataset", str(sft / "demos"), "--out", str(tmp_path / "habc"))  # fmt: skip
+    policy = load_policy(sft / "checkpoints" / "sft").eval()
     episodes = read_episodes(tmp_path / "habc" / "rollouts" / "round-001")
     assert len(episodes) == 4
     for ep in episodes:

@@ -3,6 +3,7 @@ benchmarks/vla_rl.py; here we check the machinery.)"""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -35,6 +36,20 @@ TINY = [
 
 def kinema(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kinema.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def train_in_process(*args: str, resume: Path | None = None) -> str:
+    """What `kinema train ARGS` (`--resume RUN ARGS`) does, in this process (the command itself is tested end to
+    end above, as a subprocess); what it printed, at a terminal's 80 columns."""
+    from rich.console import Console
+
+    from kinema.common import load_run_config
+    from kinema.train.workflow import train
+
+    printed = io.StringIO()
+    cfg = load_run_config(None, list(args), str(resume) if resume else None, config_class=TrainConfig)
+    train(cfg, resume=resume is not None, console=Console(file=printed, width=80))
+    return printed.getvalue()
 
 
 @pytest.mark.slow
@@ -304,9 +319,8 @@ def test_a_run_with_return_weighted_demos_says_what_the_rounds_imitate(tmp_path:
     """`kinema train --demos.weighting return`: the demos record and the report give the weighted demos' steps to
     success (no more than the demos' own) and their effective number of episodes."""
     run = tmp_path / "run"
-    done = kinema("train", *TINY, "--rl.rounds", "1", "--rl.method", "sft_continued", "--demos.weighting", "return",
-                  "--demos.temperature", "3", "--eval.videos", "0", "--eval.heldout", "false", "--out", str(run))  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    train_in_process(*TINY, "--rl.rounds", "1", "--rl.method", "sft_continued", "--demos.weighting", "return",
+                     "--demos.temperature", "3", "--eval.videos", "0", "--eval.heldout", "false", "--out", str(run))  # fmt: skip
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     demos = next(r for r in records if r["kind"] == "demos")
     assert demos["weighted_steps_to_success"] <= demos["steps_to_success"] and 1 <= demos["effective_episodes"] <= 4
@@ -320,19 +334,19 @@ def test_a_run_with_idle_demo_steps_dropped_imitates_the_teleoperators_demos_wit
     from diffusion_rl.credit import idle_steps
 
     run = tmp_path / "run"
-    done = kinema("train", *TINY, "--rl.method", "none", "--demos.source", "teleop", "--demos.idle", "drop",
-                  "--task_config", '{"horizon": 120}', "--eval.videos", "0", "--eval.heldout", "false", "--out", str(run))  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    printed = train_in_process(*TINY, "--rl.method", "none", "--demos.source", "teleop", "--demos.idle", "drop",
+                               "--task_config", '{"horizon": 120}', "--eval.videos", "0", "--eval.heldout", "false",
+                               "--out", str(run))  # fmt: skip
     demos = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "demos"' in line)
     collected = [ep for ep in read_episodes(run / "demos") if ep.outcome]  # as collected, pauses and all
-    states = [torch.from_numpy(ep.observations["observation.state"]).double() for ep in collected]
+    states = [torch.tensor(ep.observations["observation.state"], dtype=torch.float64) for ep in collected]
     idle = [idle_steps(x[:, :3], x[:, 3:7], x[:, 7]) for x in states]
     assert demos["idle_steps_dropped"] == sum(int(i.sum()) for i in idle) > 0, "a teleoperator pauses"
     assert demos["steps"] == sum(len(ep) for ep in collected) - demos["idle_steps_dropped"]
     # the demonstrator's steps to success stay what the operator took, pauses included
     assert demos["steps_to_success"] == pytest.approx(np.mean([ep.steps_to_success for ep in collected]))
     assert f"{demos['idle_steps_dropped']} idle steps cut out" in (run / "report.md").read_text()
-    assert "less idle" in done.stdout + done.stderr  # the results table's row
+    assert "less idle" in printed  # the results table's row
 
 
 def test_cutting_idle_demo_steps_keeps_each_remaining_steps_weight():
@@ -386,11 +400,9 @@ def test_rounds_on_a_robot_take_only_methods_that_learn_from_recordings_and_the_
 
 
 def train_two_rounds_with_a_resume(run: Path, args: list[str]) -> list[dict]:
-    """`kinema train` for one round, resumed for a second; the two round records."""
-    first = kinema("train", *TINY, *args, "--rl.rounds", "1", "--out", str(run))
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = kinema("train", "--resume", str(run), "--rl.rounds", "2")
-    assert second.returncode == 0, second.stderr[-3000:]
+    """A run of one round, resumed for a second; the two round records."""
+    train_in_process(*TINY, *args, "--rl.rounds", "1", "--out", str(run))
+    train_in_process("--rl.rounds", "2", resume=run)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rounds = [r for r in records if r["kind"] == "round"]
     assert [r["round"] for r in rounds] == [1, 2]
@@ -414,8 +426,7 @@ def test_flow_ppo_with_a_critic_rolls_out_distinct_seeds_and_fits_its_value_head
     fitted on the λ-returns every round; its PPO updates run even when every rollout fails."""
     run = tmp_path / "run"
     args = ["--rl.method", "flow_ppo", "--rl.ppo.advantage", "gae", "--eval.heldout", "false", "--eval.videos", "0"]
-    result = kinema("train", *TINY, *args, "--rl.rounds", "1", "--out", str(run))
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_process(*TINY, *args, "--rl.rounds", "1", "--out", str(run))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     (round_record,) = [r for r in records if r["kind"] == "round"]
     assert "grpo/n_groups" not in round_record and round_record["ppo/updates"] > 0
