@@ -92,24 +92,24 @@ def _success(run: Path, stage: str) -> dict:
 
 
 def deploy_parity(sft: Path, task: str, seed: int, episodes: int, seconds: float, folder: Path, env: dict[str, str],
-                  camera_rate: float, inference: str = "async") -> dict:
+                  camera_rate: float, inference: str) -> dict:
     """The SFT checkpoint through the bridge on the scenes of the first `episodes` evaluation seeds of run seed `seed`,
     against `kinema eval`'s outcomes (the SFT run's own evaluation) on the same seeds."""
-    kept = folder / "parity.json"
+    kept = folder / f"parity-{inference}.json"
     if kept.exists():
         return json.loads(kept.read_text())
     first = EVAL_SEED_OFFSET + seed * RUN_SEED_STRIDE
-    robot = _sim_robot(task, first, False, folder / "logs" / "parity-sim.out", env, camera_rate)
+    robot = _sim_robot(task, first, False, folder / "logs" / f"parity-{inference}-sim.out", env, camera_rate)
     try:
         time.sleep(3.0)
         deploy = _kinema("deploy", "--policy", str(sft / "checkpoints" / "sft"), "--backend", "dds", "--episodes",
                          str(episodes), "--duration", str(seconds), "--inference", inference,
-                         log=folder / "logs" / "parity-deploy.out", env=env)  # fmt: skip
+                         log=folder / "logs" / f"parity-{inference}-deploy.out", env=env)  # fmt: skip
         if deploy.wait(episodes * (seconds + 30) + 60) != 0:
-            raise SystemExit(f"kinema deploy failed; see {folder / 'logs' / 'parity-deploy.err'}")
+            raise SystemExit(f"kinema deploy failed; see {folder / 'logs' / f'parity-{inference}-deploy.err'}")
     finally:
         _stop(robot)
-    lines = (folder / "logs" / "parity-deploy.out").read_text().splitlines()
+    lines = (folder / "logs" / f"parity-{inference}-deploy.out").read_text().splitlines()
     bridge = [bool(r["success"]) for r in map(json.loads, filter(lambda x: x.startswith("{"), lines)) if r.get("event") == "episode"]
     outcomes = _success(sft, "sft")["outcomes"]
     in_eval = [outcomes[s] for s in range(first, first + len(bridge))]
@@ -130,8 +130,11 @@ def main() -> None:
     parser.add_argument("--parity-episodes", type=int, default=20)
     parser.add_argument("--camera-rate", type=float, default=30.0,
                         help="the sim robot's cameras in Hz (kinema sim-robot's; the state is 100 Hz, control 20 Hz)")
-    parser.add_argument("--inference", choices=("async", "sync"), default="async",
-                        help="the policy node's, in the loop and the parity run (kinema deploy --inference)")
+    from robot.policy_node import INFERENCE_MODES
+
+    parser.add_argument("--inference", choices=INFERENCE_MODES, default="auto",
+                        help="the policy node's, in the loop and the parity run (kinema deploy --inference); the loop "
+                        "trains in loop-<mode>/")
     parser.add_argument("--out", default="runs/robot_loop")
     parser.add_argument("--quick", action="store_true")
     args, extra = parser.parse_known_args()
@@ -161,9 +164,9 @@ def main() -> None:
         _train(sft, [*sft_args, "--seed", str(seed)], env)
         start = ["--init_policy", str(sft / "checkpoints" / "sft"), "--seed", str(seed)]
         _train(folder / "in_sim", [*arm_args, *start], env)
-        loop = folder / "loop"
+        loop = folder / f"loop-{args.inference}"
         if not _finished(loop):
-            robot = _sim_robot(args.task, 5000 + 100 * seed, True, folder / "logs" / "loop-sim.out", env, args.camera_rate)
+            robot = _sim_robot(args.task, 5000 + 100 * seed, True, folder / "logs" / f"{loop.name}-sim.out", env, args.camera_rate)
             try:
                 _train(loop, [*arm_args, *start, "--robot", "sim_panda", "--robot.backend", "dds",
                               "--robot.episode_seconds", str(seconds), "--robot.inference", args.inference], env)  # fmt: skip

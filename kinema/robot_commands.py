@@ -56,10 +56,11 @@ def add_robot_commands(sub: argparse._SubParsersAction) -> None:
         "default: the checkpoint's inference_noise_scale, the eval.noise_scale its training run evaluated with",
     )
     deploy.add_argument(
-        "--inference", choices=("async", "sync"), default="async",
-        help="async: the next chunk is computed while the current one runs, and runs from its index 1; sync: a tick "
-        "with no action left computes the chunk and runs it from index 0, as kinema eval acts (the tick waits for the "
-        "policy; on drawer async cost 12 points of success in simulation: benchmarks/RESULTS.md)",
+        "--inference", default="auto", metavar="auto|sync|async",
+        help="sync: a tick with no action left computes the chunk and runs it from index 0, as kinema eval acts (the "
+        "tick waits for the policy); async: the next chunk is computed while the current one runs, and runs from its "
+        "index 1 (on drawer async cost 12 points of success in simulation: benchmarks/RESULTS.md); auto: sync while "
+        "the measured inference takes at most half a control tick, else async",
     )
     deploy.add_argument("--robot", default=DEFAULT_ROBOT, help="robot config YAML, or a shipped name")
     deploy.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: rclpy where ROS 2 is installed, else dds")
@@ -202,8 +203,12 @@ def deploy(args: argparse.Namespace) -> int:
         raise ValueError(f"--record {args.record} is a file; recordings go to a folder (LeRobotDataset v3 + MCAP)")
     if args.keys and not args.record:
         raise ValueError("--keys marks recorded episodes: it needs --record DIR")
+    from robot.policy_node import INFERENCE_MODES
+
+    if args.inference not in INFERENCE_MODES:
+        raise ValueError(f"--inference {args.inference!r} is not known; valid: {', '.join(INFERENCE_MODES)}")
     robot = load_robot_config(args.robot)
-    policy = load_policy(args.policy, control_hz=robot.rates.control_hz, noise_scale=args.noise_scale)
+    policy = load_policy(args.policy, control_hz=robot.rates.control_hz, noise_scale=args.noise_scale, inference=args.inference)
     if description := getattr(policy, "description", ""):
         print(f"acting: {description}", file=sys.stderr, flush=True)
     results: list[dict[str, Any]] = []

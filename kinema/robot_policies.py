@@ -25,16 +25,17 @@ class ExpertReplayPolicy:
     The expert needs privileged state (object poses) that a robot does not publish, so it cannot run closed loop
     through the bridge. The simulator is deterministic under position control, though: the local rollout's joint
     targets, streamed at the control rate to a sim robot reset to the same seed, reproduce the episode. The replay
-    is indexed by the batch's `timestamp` (seconds since the episode began). The policy node executes a chunk from
-    its index 1 (its action 0 is planned for the tick that requested it), so the first action of an episode runs one
-    tick late; `lag_ticks=1` shifts the replay by that tick so that target k runs k ticks after the first.
+    is indexed by the batch's `timestamp` (seconds since the episode began). A node with asynchronous inference
+    executes a chunk from its index 1 (its action 0 is planned for the tick that requested it), so the first action
+    of an episode runs one tick late; `lag_ticks=1` shifts the replay by that tick so that target k runs k ticks after
+    the first. Synchronously (the node's default for a policy this fast) a chunk runs from index 0: `lag_ticks=0`.
 
     `reset()` starts the next episode: seeds seed, seed + 1, ... as `kinema sim-robot` does on each "reset".
     """
 
     action_space = "joint"
 
-    def __init__(self, task: str, seed: int = 0, *, control_hz: float = 20.0, chunk_size: int = 8, n_action_steps: int = 4, lag_ticks: int = 1) -> None:
+    def __init__(self, task: str, seed: int = 0, *, control_hz: float = 20.0, chunk_size: int = 8, n_action_steps: int = 4, lag_ticks: int = 0) -> None:
         self.task, self.first_seed = task, int(seed)
         self.control_hz, self.chunk_size, self.n_action_steps, self.lag_ticks = control_hz, chunk_size, n_action_steps, lag_ticks
         self.episode = -1
@@ -79,9 +80,10 @@ def expert_joint_targets(task: str, seed: int) -> tuple[np.ndarray, bool, str]:
         env.close()
 
 
-def load_policy(spec: str, *, control_hz: float = 20.0, noise_scale: float | None = None) -> Any:
+def load_policy(spec: str, *, control_hz: float = 20.0, noise_scale: float | None = None, inference: str = "auto") -> Any:
     """A policy from `--policy`: `scripted:<name>[:key=value...]`, or a policy checkpoint folder (any registered type).
-    `noise_scale` replaces a VLA checkpoint's `inference_noise_scale` (None: keep the one its training run evaluated with)."""
+    `noise_scale` replaces a VLA checkpoint's `inference_noise_scale` (None: keep the one its training run evaluated with);
+    `inference` is the node's (the expert replay's default lag follows it)."""
     if noise_scale is not None and spec.startswith("scripted:"):
         raise ValueError(f"--noise-scale scales a VLA's initial flow noise; {spec} is a scripted policy")
     if spec.startswith("scripted:"):
@@ -104,7 +106,7 @@ def load_policy(spec: str, *, control_hz: float = 20.0, noise_scale: float | Non
 
             task_class(options["task"])  # an unknown task lists the valid ones
             numbers = {}
-            for key, default in (("seed", 0), ("lag", 1)):
+            for key, default in (("seed", 0), ("lag", 1 if inference == "async" else 0)):
                 try:
                     numbers[key] = int(options.get(key, default))
                 except ValueError:

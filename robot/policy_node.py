@@ -11,13 +11,14 @@ Inputs (topics from the robot config): `/joint_states` (joints matched by name),
 controller's `/…/commands`, or `JointTrajectory` chunks for a JointTrajectoryController; a JSON status once a second.
 
 The control loop runs at `rates.control_hz` (or, with `trigger="state"`, on every fresh joint state, on the
-transport's thread, with a watchdog tick when states stop). Inference is
-asynchronous: a worker thread computes the next chunk from the observation of tick s while the current chunk
-executes, and the loop never waits on it. A chunk planned at tick s is a plan for ticks s, s+1, ...; it is used from
-the first tick after it arrives, at the matching index (actions whose tick has passed are skipped). The next request
-goes out while `prefetch` actions remain, `prefetch` following the measured inference latency. With
-`inference="sync"` a tick that has no action left computes the chunk itself and runs it from index 0, as the
-simulator's evaluation does (the tick then waits for the policy).
+transport's thread, with a watchdog tick when states stop). With `inference="sync"` a tick that has no action left
+computes the chunk itself and runs it from index 0, as the simulator's evaluation does (the tick waits for the
+policy). With `inference="async"` a worker thread computes the next chunk from the observation of tick s while the
+current chunk executes, and the loop never waits on it: a chunk planned at tick s is a plan for ticks s, s+1, ...;
+it is used from the first tick after it arrives, at the matching index (actions whose tick has passed are skipped),
+and the next request goes out while `prefetch` actions remain, `prefetch` following the measured inference latency.
+The default, `inference="auto"`, is sync while the measured inference takes at most half a tick (the first chunk is
+computed in its tick, to measure it), else async.
 
 The policy interface is the VLA's: `reset()`, `predict_action_chunk(batch) -> (B, H, A)` (torch or numpy), with
 batch keys `observation.images.<cam>` (1, H, W, 3) uint8, `observation.state` (1, 8) float32 (EE pose from FK and the
@@ -61,8 +62,10 @@ TELEOP_TIMEOUT_S = 0.5  # a teleop command older than this is not executed (the 
 # async: the next chunk is computed in the background while the current one runs, and runs from index 1 (the loop
 # never waits); sync: at a tick with no action left the chunk is computed there and runs from index 0, as kinema eval
 # acts. Sync spends the inference time inside the tick; async cost a drawer SFT 12 points in simulation (each action
-# runs a tick later than the policy was trained to expect; benchmarks/RESULTS.md).
-INFERENCE_MODES = ("async", "sync")
+# runs a tick later than the policy was trained to expect; benchmarks/RESULTS.md). auto: sync while the measured
+# inference fits AUTO_SYNC_SHARE of a tick (the first chunk is computed synchronously to measure it), else async.
+INFERENCE_MODES = ("auto", "sync", "async")
+AUTO_SYNC_SHARE = 0.5
 
 
 # ----- simple policies (no simulator needed) ---------------------------------------------------------------------------
@@ -189,7 +192,7 @@ class PolicyNode:
         kinematics: Kinematics | None = None,
         clock: Callable[[], float] = time.monotonic,
         status_period_s: float = 1.0,
-        inference: str = "async",
+        inference: str = "auto",
     ) -> None:
         if trigger not in ("timer", "state"):
             raise ValueError(f"trigger must be 'timer' (control_hz) or 'state' (every fresh joint state); got {trigger!r}")
@@ -510,6 +513,7 @@ class PolicyNode:
             self._take(result, tick)
 
         # 2. The command: the human's while taken over, else the policy's next action.
+        synchronous = self._synchronous()
         command: np.ndarray | None = None
         popped = 0
         if takeover:
@@ -521,9 +525,10 @@ class PolicyNode:
         else:
             while self._queue and self._queue[0][0] < tick:
                 self._queue.popleft()
-            if self.inference == "sync" and not self._queue and q is not None and (batch := self.observation()) is not None:
+            if synchronous and not self._queue and q is not None and (batch := self.observation()) is not None:
                 self._take(self.worker.predict_now(batch, tick, self._generation), tick, first=0)
                 self.stats.add("requests")
+                self.stats.add("sync_requests")
             if self._queue and q is not None:
                 _, action = self._queue.popleft()
                 popped = 1
@@ -540,7 +545,7 @@ class PolicyNode:
             decision = self.safety.filter(command, now)
         self._publish(decision, tick, takeover)
         # 4. The next chunk's request, after the command is out: building the observation is off the latency path.
-        if not takeover and self.inference == "async":
+        if not takeover and not synchronous:
             self._maybe_request(tick, popped)
         self.last_decision = decision
         self.stats.add(f"source_{'human' if takeover else 'policy'}")
@@ -549,6 +554,15 @@ class PolicyNode:
             self._last_status_pub = now
             self._status_pub.publish(msg.String(data=json.dumps(self.status())))
         return decision
+
+    def _synchronous(self) -> bool:
+        """Whether this tick computes the chunk it needs itself: always with "sync", never with "async"; with "auto"
+        while the measured inference takes at most AUTO_SYNC_SHARE of a tick (unmeasured: yes) and no asynchronous
+        request is in flight."""
+        if self.inference != "auto":
+            return self.inference == "sync"
+        fits = self._latency_ema is None or self._latency_ema <= AUTO_SYNC_SHARE * self.period
+        return fits and not self.worker.busy
 
     def _take(self, result: _Result, tick: int, first: int = 1) -> None:
         if result.error:
@@ -690,6 +704,7 @@ class PolicyNode:
             "reason": d.reason if d else "",
             "takeover": takeover,
             "policy": getattr(self.policy, "fingerprint", ""),
+            "inference": self.inference,
             "inference_ms": None if self._latency_ema is None else round(self._latency_ema * 1e3, 2),
             "stats": self.stats.snapshot(),
             "rejected": rejected,

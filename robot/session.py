@@ -42,11 +42,11 @@ def sleep_until(predicate: Callable[[], bool], timeout: float, step: float = 0.0
 class RobotSession:
     def __init__(
         self, transport: Transport, robot: RobotConfig, policy: Any, *, instruction: str = "", record: str | None = None,
-        marks_by_person: bool = False, task_id: str = "", policy_version: str = "deployment", inference: str = "async",
+        marks_by_person: bool = False, task_id: str = "", policy_version: str = "deployment", inference: str = "auto",
     ) -> None:  # fmt: skip
         """`record`: a folder for the episodes (LeRobotDataset v3 + MCAP); `marks_by_person`: a person marks the
         recorded episodes (robot.recorder.KeyControl), not the session; `task_id`, `policy_version`: written with
-        each recorded episode (a training round's episodes carry the round); `inference`: the node's (async | sync)."""
+        each recorded episode (a training round's episodes carry the round); `inference`: the node's (auto | sync | async)."""
         self.robot = robot
         self.node = PolicyNode(transport, robot, policy, instruction=instruction, inference=inference)
         self.recorder = (

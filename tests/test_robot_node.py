@@ -168,7 +168,7 @@ def test_recorded_action_inverts_the_command_for_small_steps():
 def test_inference_runs_in_the_background_and_the_loop_never_waits():
     gate = threading.Event()
     policy = ScriptedJointPolicy(gate)
-    node, fake, clock, _ = make(policy)
+    node, fake, clock, _ = make(policy, inference="async")
     try:
         d = step(node, fake, clock)  # tick 0: requests a chunk; the policy is now blocked inside predict
         assert policy.started.wait(5)
@@ -188,7 +188,7 @@ def test_inference_runs_in_the_background_and_the_loop_never_waits():
 
 def test_chunks_are_time_aligned_and_requested_before_the_queue_runs_dry():
     policy = ScriptedJointPolicy()
-    node, fake, clock, _ = make(policy)
+    node, fake, clock, _ = make(policy, inference="async")
     try:
         joint1 = []
         for _ in range(14):
@@ -211,7 +211,7 @@ def test_chunks_are_time_aligned_and_requested_before_the_queue_runs_dry():
 # ----- takeover ---------------------------------------------------------------------------------------------------
 def test_takeover_passes_the_human_through_safety_and_hand_back_restarts_the_chunk():
     policy = ScriptedJointPolicy()
-    node, fake, clock, bus = make(policy)
+    node, fake, clock, bus = make(policy, inference="async")
     human = InprocTransport(bus)
     takeover = human.publisher(ROBOT.topics.takeover, msg.Bool)
     teleop = human.publisher(ROBOT.topics.teleop, msg.Float64MultiArray)
@@ -395,7 +395,7 @@ def test_joint_trajectory_controller_gets_safe_chunks_and_empty_holds():
     data = _robot_dict()
     data["controller"]["type"] = "joint_trajectory"
     robot = robot_config_from_dict(data, source=ROBOT.source)
-    node, fake, clock, _ = make(ScriptedJointPolicy(), robot=robot)
+    node, fake, clock, _ = make(ScriptedJointPolicy(), robot=robot, inference="async")
     try:
         for _ in range(3):
             step(node, fake, clock)
@@ -492,19 +492,24 @@ def test_deploy_policy_specs_are_parsed_or_rejected_with_the_valid_choices(tmp_p
         load_policy(str(tmp_path))
 
 
-def test_expert_replay_is_indexed_by_episode_time_with_one_tick_of_lag():
-    from kinema.robot_policies import ExpertReplayPolicy
+def test_expert_replay_is_indexed_by_episode_time_with_the_nodes_lag():
+    from kinema.robot_policies import ExpertReplayPolicy, load_policy
 
     replay = ExpertReplayPolicy("drawer", seed=0)
     replay.reset()
     assert replay.expert_success and replay.targets.shape[1] == 8
+    # Synchronous inference (the node's default for a policy this fast) runs a chunk from index 0 at its own tick.
     chunk = replay.predict_action_chunk({"timestamp": np.array([0.0])})[0]
-    # Index 1 of the first chunk (what the node executes first) is the rollout's first target.
-    np.testing.assert_allclose(chunk[1], replay.targets[0], rtol=1e-6)
+    np.testing.assert_allclose(chunk[0], replay.targets[0], rtol=1e-6)
     later = replay.predict_action_chunk({"timestamp": np.array([0.25])})[0]  # 5 ticks in
-    np.testing.assert_allclose(later[1], replay.targets[5], rtol=1e-6)
+    np.testing.assert_allclose(later[0], replay.targets[5], rtol=1e-6)
     replay.reset()
     assert replay.episode == 1  # the next episode replays the next seed, as the sim robot resets to it
+    # Asynchronous inference runs a chunk from index 1, a tick after it was asked for: the replay lags that tick.
+    lagged = load_policy("scripted:replay:task=drawer:seed=0", inference="async")
+    assert lagged.lag_ticks == 1 and load_policy("scripted:replay:task=drawer:seed=0").lag_ticks == 0
+    lagged.reset()
+    np.testing.assert_allclose(lagged.predict_action_chunk({"timestamp": np.array([0.25])})[0][1], lagged.targets[5], rtol=1e-6)
 
 
 def test_deploy_without_a_robot_fails_with_a_clear_error(capsys):
@@ -578,6 +583,17 @@ def test_deploy_keys_need_a_recording(capsys):
     assert "--keys marks recorded episodes: it needs --record DIR" in capsys.readouterr().err
 
 
+def test_an_unknown_inference_mode_is_refused_with_the_valid_ones(capsys):
+    from kinema.cli import main
+    from kinema.common import load_config
+    from kinema.train.config import TrainConfig
+
+    assert main(["deploy", "--policy", "scripted:zero", "--backend", "inproc", "--inference", "later"]) == 2
+    assert "--inference 'later' is not known; valid: auto, sync, async" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="robot.inference 'later' is not known; valid: auto, sync, async"):
+        load_config(None, ["--robot.config", "sim_panda", "--robot.inference", "later"], config_class=TrainConfig)
+
+
 def test_a_policy_reading_cameras_the_robot_lacks_is_refused_at_startup():
     class Config:
         cameras = ("agentview", "side")
@@ -608,7 +624,7 @@ def test_a_failing_policy_is_counted_and_the_arm_holds():
 
 
 def test_state_triggered_node_answers_every_fresh_state_with_one_command():
-    node, fake, clock, _ = make(ScriptedJointPolicy(), trigger="state")
+    node, fake, clock, _ = make(ScriptedJointPolicy(), trigger="state", inference="async")
     node.start()
     try:
         for k in range(6):
@@ -634,7 +650,7 @@ def test_synchronous_inference_runs_each_chunk_from_index_0_at_the_tick_it_was_p
         assert not node.worker.busy and node.stats.get("starved_ticks", 0) == 0
     finally:
         node.close()
-    asynchronous, fake, clock, _ = make(ScriptedJointPolicy())
+    asynchronous, fake, clock, _ = make(ScriptedJointPolicy(), inference="async")
     try:
         step(asynchronous, fake, clock)
         wait_result(asynchronous)
@@ -643,8 +659,49 @@ def test_synchronous_inference_runs_each_chunk_from_index_0_at_the_tick_it_was_p
         assert [round(c[0], 2) for c in fake.commands[-3:]] == [0.01, 0.02, 0.03]  # from index 1, a tick after tick 0
     finally:
         asynchronous.close()
-    with pytest.raises(ValueError, match="inference must be one of async, sync; got 'later'"):
+    with pytest.raises(ValueError, match="inference must be one of auto, sync, async; got 'later'"):
         make(ScriptedJointPolicy(), inference="later")
+
+
+class SlowJointPolicy(ScriptedJointPolicy):
+    """ScriptedJointPolicy taking `seconds` per chunk."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def predict_action_chunk(self, batch):
+        threading.Event().wait(self.seconds)
+        return super().predict_action_chunk(batch)
+
+
+def test_auto_inference_is_synchronous_while_the_policy_fits_half_a_tick_and_asynchronous_once_it_does_not():
+    """The default: a policy fast enough acts as under "sync" (chunks from index 0 at their own tick); one that takes
+    more than half a tick has its first chunk computed in its tick (to measure it), then the loop stops waiting."""
+    fast = ScriptedJointPolicy()
+    node, fake, clock, _ = make(fast)
+    try:
+        assert node.inference == "auto" and node.status()["inference"] == "auto"
+        for _ in range(8):
+            step(node, fake, clock)
+        assert [round(c[0], 2) for c in fake.commands] == [0.0, 0.01, 0.02, 0.03, 0.1, 0.11, 0.12, 0.13]
+        assert node.stats["sync_requests"] == node.stats["requests"] == 2
+    finally:
+        node.close()
+    slow = SlowJointPolicy(0.6 * PERIOD)
+    node, fake, clock, _ = make(slow)
+    try:
+        step(node, fake, clock)  # tick 0: no measurement yet, so computed here and run from index 0
+        assert slow.calls == 1 and [round(c[0], 2) for c in fake.commands] == [0.0]
+        for _ in range(5):
+            step(node, fake, clock)
+            wait_result(node)
+        # Then in the background: chunk 1, asked for while actions of chunk 0 remained, runs from a later index.
+        assert node.stats["sync_requests"] == 1 and node.stats["requests"] >= 2
+        assert [round(c[0], 2) for c in fake.commands[:4]] == [0.0, 0.01, 0.02, 0.03]
+        assert round(fake.commands[5][0], 2) in (0.11, 0.12, 0.13)
+    finally:
+        node.close()
 
 
 # ----- threads: episode control against a running tick and a running inference ---------------------------------------
@@ -669,7 +726,7 @@ class RecordingPolicy(ScriptedJointPolicy):
 def test_start_episode_resets_the_policy_only_after_a_running_prediction_ends():
     gate = threading.Event()
     policy = RecordingPolicy(gate)
-    node, fake, clock, _ = make(policy)
+    node, fake, clock, _ = make(policy, inference="async")
     try:
         step(node, fake, clock)
         assert policy.started.wait(5)  # a prediction is running (held by the gate)
@@ -880,7 +937,7 @@ def test_a_swapped_in_policy_acts_from_its_first_chunk_and_no_chunk_of_the_old_o
     gate = threading.Event()
     gate.set()
     old = ScriptedJointPolicy(gate)
-    node, fake, clock, _ = make(old)
+    node, fake, clock, _ = make(old, inference="async")
     try:
         for _ in range(4):  # chunk 0 (planned at tick 0) runs at ticks 1-3
             step(node, fake, clock)

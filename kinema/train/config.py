@@ -131,7 +131,7 @@ class RobotLoopOptions:
     # routine) | operator: a person resets it and presses Enter in this terminal
     reset: str = "topic"
     sim_eval: bool = True  # also evaluate in the simulated task (SFT, each round, final); false: a robot with no sim twin
-    inference: str = "async"  # the policy node's (as `kinema deploy --inference`): async | sync (acts as the evaluation does)
+    inference: str = "auto"  # the policy node's (as `kinema deploy --inference`): auto | sync (acts as the evaluation does) | async
 
 
 @dataclass
