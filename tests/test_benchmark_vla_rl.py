@@ -59,7 +59,8 @@ def bench(out: Path, *args: str, in_process: bool = True) -> dict:
 @pytest.mark.slow
 def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     out = tmp_path / "bench"
-    # As a user runs it (a subprocess, runs in parallel subprocesses); the later invocations run in this process.
+    # As a user runs it (a subprocess, its runs in parallel subprocesses); the later invocations run in this process,
+    # and their runs one after another in it.
     first = bench(out, "--methods", "sft_continued,sft_long", "--jobs", "2", in_process=False)
     runs = tmp_path / "bench_quick" / "drawer-s0"
     assert first["_meta"]["runs_trained"] == 3 and first["_meta"]["jobs"] == 2
@@ -92,7 +93,7 @@ def test_parallel_runs_reuse_and_killed_runs_trained_again(tmp_path: Path):
     # An SFT killed after its evaluation but before its checkpoint's state was written: set aside with the arms
     # that branched from it (they belong to another SFT), and everything trained again.
     (runs / "sft" / "state.json").unlink()
-    third = bench(out, "--methods", "sft_continued,awr", "--jobs", "2", in_process=False)
+    third = bench(out, "--methods", "sft_continued,awr")
     assert third["_meta"]["runs_trained"] == 3
     assert {"sft-interrupted", "sft_continued-interrupted", "awr-interrupted-2"} <= {p.name for p in runs.iterdir()}
     assert all(json.loads((runs / m / "state.json").read_text()).get("final_done") for m in ("sft_continued", "awr"))

@@ -84,6 +84,9 @@ def test_rounds_on_the_robot_survive_a_kill_swap_each_rounds_checkpoint_and_keep
     assert acted[1] != acted[2]
     taken = {r["round"]: r["robot/episodes_taken_over"] for r in records if r.get("kind") == "round"}
     assert taken == {n: sum(bool((robot[i].executed_by == ExecutedBy.HUMAN).any()) for i in complete[f"round-{n}"]) for n in (1, 2)}
+    # How the node computed the chunks (robot.inference auto): recorded per round, with the inference time it measured.
+    rounds = [r for r in records if r.get("kind") == "round"]
+    assert all(0 <= r["robot/sync_chunk_share"] <= 1 and r["robot/inference_ms"] > 0 for r in rounds), rounds
     assert person["takeovers"] >= 1 and any((robot[i].executed_by == ExecutedBy.HUMAN).any() for i in complete["round-1"] + complete["round-2"])
     assert (run / "checkpoints" / "final" / "model.safetensors").exists()
     assert "on the robot `sim_panda`" in (run / "report.md").read_text()

@@ -199,7 +199,10 @@ def test_kinema_train_runs_the_video_policy_end_to_end(tmp_path: Path):
     run = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", "kinema.cli", "train", *TINY, "--policy.type", "video", "--rl.rounds", "1",
-         "--eval.heldout", "false", "--out", str(run)], capture_output=True, text=True, timeout=600,
+         "--eval.heldout", "false", "--out", str(run),
+         # the least evaluation a run allows: at ~0.6 s a chunk, the video policy's episodes are what this test costs
+         "--eval.baseline", "false", "--eval.episodes", "1", "--eval.round_episodes", "1", "--eval.videos", "0"],
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--policy.generator_path RUN_DIR" in " ".join(result.stderr.split())  # what a generator would bring, said

@@ -81,7 +81,7 @@ class RobotRounds:
         done = len(self.recorded(round_index))
         if done:
             self.console.print(f"round {round_index}: {done} episode(s) already recorded on the robot (resumed)")
-        started = time.monotonic()
+        started, requests_before = time.monotonic(), session.node.stats.snapshot()
         with progress.phase(f"round {round_index}: robot episodes", wanted - min(done, wanted), kind="rollout"):
             while done < wanted:
                 if session.quit.is_set():
@@ -100,6 +100,10 @@ class RobotRounds:
         episodes = self._read(round_index)[:wanted]
         record["robot/seconds"] = round(time.monotonic() - started, 1)  # this start's (a resumed round: since the resume)
         record["robot/episodes_taken_over"] = sum(bool((ep.executed_by == ExecutedBy.HUMAN).any()) for ep in episodes)
+        # How the node computed this round's chunks (robot.inference auto decides by the measured inference time).
+        requests = {k: session.node.stats.snapshot().get(k, 0) - requests_before.get(k, 0) for k in ("requests", "sync_requests")}
+        record["robot/sync_chunk_share"] = round(requests["sync_requests"] / max(1, requests["requests"]), 3)
+        record["robot/inference_ms"] = session.node.status()["inference_ms"]
         return method.digest(round_index, episodes, record)
 
     def operator(self, prompt: str) -> None:

@@ -88,10 +88,11 @@ def collected_clips(cfg: VideoTrainConfig, folder: Path, seeds: range, console: 
     else:
         with progress_bar(console) as bar:
             job = bar.add_task(label, total=len(seeds), status=d.task)
+            # The videos' camera alone: rendering, coding and decoding the other halved the collection's speed.
             episodes = collect_demos(
                 d.task, len(seeds), seeds=seeds,
                 expert=ExpertConfig(noise=d.noise, wrong_grasp=d.wrong_grasp), num_envs=4,
-                image_size=settings["image_size"], on_episode=lambda ep: bar.update(job, advance=1),
+                image_size=settings["image_size"], cameras=(d.camera,), on_episode=lambda ep: bar.update(job, advance=1),
             )  # fmt: skip
         episodes = write_collected(folder, episodes, settings=settings)
     return episode_clips(episodes, frames=d.frames, size=d.size, camera=d.camera)
