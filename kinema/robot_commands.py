@@ -203,10 +203,9 @@ def deploy(args: argparse.Namespace) -> int:
         raise ValueError(f"--record {args.record} is a file; recordings go to a folder (LeRobotDataset v3 + MCAP)")
     if args.keys and not args.record:
         raise ValueError("--keys marks recorded episodes: it needs --record DIR")
-    from robot.policy_node import INFERENCE_MODES
+    from robot.policy_node import check_inference
 
-    if args.inference not in INFERENCE_MODES:
-        raise ValueError(f"--inference {args.inference!r} is not known; valid: {', '.join(INFERENCE_MODES)}")
+    check_inference(args.inference, "--inference")  # before the checkpoint loads
     robot = load_robot_config(args.robot)
     policy = load_policy(args.policy, control_hz=robot.rates.control_hz, noise_scale=args.noise_scale, inference=args.inference)
     if description := getattr(policy, "description", ""):

@@ -68,6 +68,13 @@ INFERENCE_MODES = ("auto", "sync", "async")
 AUTO_SYNC_SHARE = 0.5
 
 
+def check_inference(mode: str, name: str = "inference") -> str:
+    """`mode` if it is one of INFERENCE_MODES, else a ValueError naming the option (`name`) and the valid modes."""
+    if mode not in INFERENCE_MODES:
+        raise ValueError(f"{name} {mode!r} is not known; valid: {', '.join(INFERENCE_MODES)}")
+    return mode
+
+
 # ----- simple policies (no simulator needed) ---------------------------------------------------------------------------
 class ConstantPolicy:
     """Emits the same action every step: zeros are the zero-cost policy of the latency benchmark; NaN tests safety."""
@@ -196,9 +203,7 @@ class PolicyNode:
     ) -> None:
         if trigger not in ("timer", "state"):
             raise ValueError(f"trigger must be 'timer' (control_hz) or 'state' (every fresh joint state); got {trigger!r}")
-        if inference not in INFERENCE_MODES:
-            raise ValueError(f"inference must be one of {', '.join(INFERENCE_MODES)}; got {inference!r}")
-        self.inference = inference
+        self.inference = check_inference(inference)
         self.transport, self.robot, self.policy = transport, robot, policy
         self.action_space = action_space or getattr(policy, "action_space", "ee_delta")
         if self.action_space not in ("ee_delta", "joint"):

@@ -659,7 +659,7 @@ def test_synchronous_inference_runs_each_chunk_from_index_0_at_the_tick_it_was_p
         assert [round(c[0], 2) for c in fake.commands[-3:]] == [0.01, 0.02, 0.03]  # from index 1, a tick after tick 0
     finally:
         asynchronous.close()
-    with pytest.raises(ValueError, match="inference must be one of auto, sync, async; got 'later'"):
+    with pytest.raises(ValueError, match="inference 'later' is not known; valid: auto, sync, async"):
         make(ScriptedJointPolicy(), inference="later")
 
 

@@ -384,10 +384,9 @@ class TrainConfig:
                 raise ValueError(f"robot.config: the rounds' episodes come from the robot; rollout.backend {self.rollout.backend!r} has no part")
             if self.robot.reset not in ("topic", "operator"):
                 raise ValueError(f"robot.reset {self.robot.reset!r} is not known; valid: topic, operator")
-            from robot.policy_node import INFERENCE_MODES
+            from robot.policy_node import check_inference
 
-            if self.robot.inference not in INFERENCE_MODES:
-                raise ValueError(f"robot.inference {self.robot.inference!r} is not known; valid: {', '.join(INFERENCE_MODES)}")
+            check_inference(self.robot.inference, "robot.inference")
             if self.robot.episode_seconds <= 0 or self.robot.wait_robot < 0:
                 raise ValueError(f"robot.episode_seconds must be > 0 and robot.wait_robot >= 0; got {self.robot.episode_seconds}, {self.robot.wait_robot}")
         if self.rollout.backend not in ROLLOUT_BACKENDS:
