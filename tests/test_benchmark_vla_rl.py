@@ -4,16 +4,13 @@ killed before its first checkpoint set aside and trained again, and so an SFT wi
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import subprocess
 import sys
-import traceback
 from pathlib import Path
-from unittest import mock
 
+import cli_in_process
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "vla_rl.py"
@@ -37,17 +34,7 @@ def run_benchmark(*args: str, in_process: bool = False) -> subprocess.CompletedP
     imports (2-5 s), the exit status and output as the subprocess gives them (an uncaught error: 1 and its traceback)."""
     if not in_process:
         return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=600)
-    out, err = io.StringIO(), io.StringIO()
-    with mock.patch.object(sys, "argv", [str(BENCH), *args]), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            benchmark_module().main()
-            code = 0
-        except SystemExit as exit:  # argparse's errors
-            code = exit.code
-        except Exception:
-            traceback.print_exc()
-            code = 1
-    return subprocess.CompletedProcess([str(BENCH), *args], code, out.getvalue(), err.getvalue())
+    return cli_in_process.in_process(lambda: benchmark_module().main(), [str(BENCH), *args])
 
 
 def bench(out: Path, *args: str, in_process: bool = True) -> dict:
