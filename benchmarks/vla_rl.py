@@ -457,6 +457,12 @@ def main() -> None:
     parser.add_argument("--policies", default="vla", help="vla, and video (the video policy's four forms) or smolvla")
     parser.add_argument("--video-method", default="habc", help="the video policy's RL arm (its control is sft_continued)")
     parser.add_argument("--planning", type=int, default=4, help="candidate chunks of the video policy's planning forms")
+    parser.add_argument("--video-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a video policy option for its runs, as --policy.KEY VALUE (repeatable), e.g. action_head=expert")
+    parser.add_argument("--video-generator", default="", metavar="pretrain|RUN",
+                        help="the video policy's trunk: empty, a tiny random Wan; 'pretrain', a `kinema video train` "
+                        "pre-training (no post-training rounds) on each task's videos, in <out>/<task>-video_generator, its "
+                        "CPU minutes counted in the video SFT's; or a run folder ({task} replaced)")
     parser.add_argument("--smolvla-method", default="habc", help="the SmolVLA's RL arm (its control is sft_continued)")
     fixture = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "smolvla"
     parser.add_argument("--smolvla-checkpoint", default=str(fixture / "tiny-smolvla"),
@@ -466,6 +472,11 @@ def main() -> None:
     if unknown := set(args.policies.split(",")) - {"vla", "video", "smolvla"}:
         parser.error(f"--policies: unknown {sorted(unknown)}; valid: vla, video, smolvla")
     tasks = ["drawer"] if args.quick else args.tasks.split(",")
+    video_options = _video_options(args.video_set, parser)
+    if args.video_generator not in ("", "pretrain"):
+        runs = [Path(args.video_generator.format(task=task)) for task in tasks]
+        if missing := [str(r) for r in runs if not (r / "final").is_dir() and not (r / "transformer").is_dir()]:
+            parser.error(f"--video-generator: {missing[0]} is not a `kinema video train` run (no final/) nor a generator folder")
     if args.seeds < 1 or args.first_seed < 0:
         parser.error(f"--seeds must be >= 1 and --first-seed >= 0; got {args.seeds} and {args.first_seed}")
     if args.quick and args.first_seed:
@@ -532,7 +543,9 @@ def main() -> None:
     run_jobs(sft_jobs, jobs_at_once=args.jobs, logs=out / "logs")
     video = "video" in args.policies.split(",")
     if video:  # the video policy's SFT on the VLA's demonstrations, then its arms beside the VLA's
-        arm_jobs += _video_jobs(out, regimes[0], tasks, seeds, starts, configs, base_overrides, args.video_method, args.start, args.jobs)
+        generators = _video_generators(out, tasks, args.video_generator, quick=args.quick)
+        arm_jobs += _video_jobs(out, regimes[0], tasks, seeds, starts, configs, base_overrides, args.video_method, args.start,
+                                args.jobs, video_options, generators)  # fmt: skip
     smolvla = "smolvla" in args.policies.split(",")
     if smolvla:
         arm_jobs += _smolvla_jobs(out, regimes[0], tasks, seeds, starts, configs, base_overrides, args.smolvla_method, args.start,
@@ -553,7 +566,8 @@ def main() -> None:
             first_minutes, first_cpu = run_minutes, cpu_minutes
     summary = blocks[regimes[0]]
     if video:  # on the first regime's demonstrations
-        summary.update(_video_summary(out, regimes[0], tasks, seeds, starts, args.video_method, args.planning, summary["per_task_success"]))
+        summary.update(_video_summary(out, regimes[0], tasks, seeds, starts, args.video_method, args.planning, summary["per_task_success"],
+                                      generators))  # fmt: skip
     if smolvla:
         summary.update(_smolvla_summary(out, regimes[0], tasks, seeds, starts, args.smolvla_method, summary["per_task_success"]))
     if len(regimes) > 1:
@@ -735,13 +749,50 @@ def task_entry(rows: dict[str, dict[str, list]], demos: list[dict], cpu: dict[st
 VIDEO_ARMS = ("video_sft", "video_rl", "video_sft_continued")
 
 
-def _video_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides, method, start, jobs_at_once) -> list[Job]:
+def _video_options(pairs: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """--video-set KEY=VALUE ... as the runs' --policy.KEY VALUE overrides."""
+    options = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            parser.error(f"--video-set takes KEY=VALUE (a video policy option, e.g. action_head=expert); got {pair!r}")
+        options += [f"--policy.{key}", value]
+    return options
+
+
+def _video_generators(out: Path, tasks, source: str, *, quick: bool) -> dict[str, Path]:
+    """The video policy's pre-trained trunk per task ({} without one): --video-generator pretrain trains each task's
+    (`kinema video train` on the task's scripted videos, pre-training only: no post-training rounds, no judge) unless a
+    finished one is there; a run folder is taken as it is."""
+    if not source:
+        return {}
+    if source != "pretrain":  # checked when the arguments were read
+        return {task: Path(source.format(task=task)) for task in tasks}
+    from kinema.common import load_run_config
+    from kinema.video.config import VideoTrainConfig
+    from kinema.video.workflow import train_video
+
+    runs = {}
+    for task in tasks:
+        run = out / f"{task}-video_generator"
+        if not (run / "final" / "transformer").is_dir():
+            budget = ["--pretrain.steps", "40", "--data.episodes", "8"] if quick else []
+            overrides = ["--data.task", task, "--train.rounds", "0", "--judge.enabled", "false", *budget, "--out", str(run)]
+            resume = (run / "state.json").exists()
+            train_video(load_run_config(None, overrides, str(run) if resume else None, config_class=VideoTrainConfig), resume=resume)
+        runs[task] = run
+    return runs
+
+
+def _video_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides, method, start, jobs_at_once,
+                options: list[str], generators: dict[str, Path]) -> list[Job]:  # fmt: skip
     """Its SFT (trained here, before the arms) on the VLA SFT's demonstrations (of `regime`), then its RL arm and its
-    control."""
+    control; `options` (--policy.KEY VALUE) and each task's generator apply to all three."""
     if start:
         raise SystemExit("--policies video branches from the benchmark's own SFT; drop --start")
     return _other_policy_jobs(out, regime, tasks, seeds, starts, configs, overrides, method, jobs_at_once, prefix="video",
-                              policy=["--policy.type", "video"], sft=[], branch=lambda ckpt: ["--init_policy", str(ckpt)])  # fmt: skip
+                              policy=["--policy.type", "video", *options], sft=[], branch=lambda ckpt: ["--init_policy", str(ckpt)],
+                              task_options={task: ["--policy.generator_path", str(run)] for task, run in generators.items()})  # fmt: skip
 
 
 def _smolvla_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides, method, start, jobs_at_once,
@@ -757,10 +808,10 @@ def _smolvla_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrid
 
 
 def _other_policy_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides, method, jobs_at_once, *, prefix: str,
-                       policy: list[str], sft: list[str], branch) -> list[Job]:  # fmt: skip
+                       policy: list[str], sft: list[str], branch, task_options: dict[str, list[str]] | None = None) -> list[Job]:  # fmt: skip
     """Another policy type beside the VLA on the VLA SFT's demonstrations (of `regime`): its SFT (trained here, before
     the arms: `<prefix>_sft`), then its RL arm (`<prefix>_rl`) and its control (`<prefix>_sft_continued`), both
-    branched from that SFT's checkpoint by `branch(checkpoint)`."""
+    branched from that SFT's checkpoint by `branch(checkpoint)`. task_options: more overrides of one task's runs."""
     sfts = []
     for task in tasks:
         for seed in seeds:
@@ -768,7 +819,7 @@ def _other_policy_jobs(out: Path, regime: str, tasks, seeds, starts, configs, ov
             if not _sft_done(run):
                 if run.exists():
                     set_aside(run, f"{prefix}_sft-interrupted")
-                sfts.append(Job(run, configs[task], [*overrides, *policy, *sft, "--task", task, "--seed", str(seed), "--rl.method",
+                sfts.append(Job(run, configs[task], [*overrides, *policy, *(task_options or {}).get(task, []), *sft, "--task", task, "--seed", str(seed), "--rl.method",
                                                      "none", "--dataset", str(starts[regime, task, seed] / "demos")]))  # fmt: skip
     run_jobs(sfts, jobs_at_once=jobs_at_once, logs=out / "logs")
     arms = []
@@ -781,7 +832,7 @@ def _other_policy_jobs(out: Path, regime: str, tasks, seeds, starts, configs, ov
                     if run.exists() and not (run / "state.json").exists():
                         set_aside(run, f"{name}-interrupted")
                     arms.append(Job(run, configs[task], [
-                        *overrides, *policy, *METHODS[arm], "--task", task, "--seed", str(seed), *branch(base / "checkpoints" / "sft"),
+                        *overrides, *policy, *(task_options or {}).get(task, []), *METHODS[arm], "--task", task, "--seed", str(seed), *branch(base / "checkpoints" / "sft"),
                         "--dataset", str(starts[regime, task, seed] / "demos"), "--eval.baseline", "false",
                     ]))  # fmt: skip
     return arms
@@ -843,15 +894,20 @@ def _planned_eval(run: Path, checkpoint: str, candidates: int) -> dict:
     return res.as_dict(prefix="train/")
 
 
-def _video_summary(out: Path, regime: str, tasks, seeds, starts, method, candidates, by_task) -> dict:
-    """video / video_planning / latency_ms entries, and per task the video forms next to the VLA's."""
+def _video_summary(out: Path, regime: str, tasks, seeds, starts, method, candidates, by_task, generators: dict[str, Path]) -> dict:
+    """video / video_planning / latency_ms entries, and per task the video forms next to the VLA's. The video SFT's
+    CPU minutes include its task's generator pre-training (a run trained here or named)."""
     from kinema.train.evaluate import ChunkPolicy, SelectChunkPolicy, batch1_latency_ms
     from policies import load_policy
 
     rows = {k: [] for k in ("sft", "rl", "control", "sft_planning", "rl_planning")}
+    sft_cpu, pretrain_cpu = [], []
     for task in tasks:
+        pretrain = (_run_cpu_minutes(generators[task]) or 0.0) if task in generators and (generators[task] / "metrics.jsonl").exists() else 0.0
+        pretrain_cpu.append(pretrain)
         for seed in seeds:
             root = _task_dir(out, regime, task, seed)
+            sft_cpu.append(pretrain + (_run_cpu_minutes(root / "video_sft") or 0.0))
             forms = {
                 "sft": final_eval(root / "video_sft", "sft"),
                 "rl": final_eval(root / "video_rl", "final"),
@@ -884,8 +940,9 @@ def _video_summary(out: Path, regime: str, tasks, seeds, starts, method, candida
           f"latency {latency}")
     return {
         "video": {"method": method, "success": mean["rl"], "success_se": _pooled_se(rows["rl"]), "sft_success": mean["sft"],
-                  "gain_over_sft": mean["rl"] - mean["sft"], "continued_sft_success": mean["control"],
-                  "gain_over_continued_sft": mean["rl"] - mean["control"]},
+                  "sft_success_se": _pooled_se(rows["sft"]), "gain_over_sft": mean["rl"] - mean["sft"],
+                  "continued_sft_success": mean["control"], "gain_over_continued_sft": mean["rl"] - mean["control"],
+                  "sft_cpu_minutes": round(float(np.mean(sft_cpu)), 1), "pretrain_cpu_minutes": round(float(np.mean(pretrain_cpu)), 1)},
         "video_planning": {"candidates": candidates, "success": mean["rl_planning"], "success_se": _pooled_se(rows["rl_planning"]),
                            "sft_success": mean["sft_planning"], "sft_success_se": _pooled_se(rows["sft_planning"])},
         "latency_ms": latency,

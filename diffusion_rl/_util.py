@@ -29,7 +29,10 @@ def check_same_shape(**tensors: Tensor) -> None:
 
 
 def expand_to(t: Tensor, x: Tensor) -> Tensor:
-    """View a per-sample tensor `t` (B,) as (B, 1, ..., 1) so that it broadcasts against `x` (B, ...)."""
+    """View a per-sample tensor `t` (B,) as (B, 1, ..., 1) so that it broadcasts against `x` (B, ...). A `t` of x's
+    rank (e.g. one flow time per video frame, (B, 1, F, 1, 1)) is already per element and returned as it is."""
+    if t.ndim == x.ndim and t.ndim > 1:
+        return t
     if t.ndim == 0:
         t = t.expand(x.shape[0])
     if t.shape[0] != x.shape[0]:

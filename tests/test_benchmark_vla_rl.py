@@ -151,6 +151,21 @@ def test_demo_regimes_are_checked_before_any_run(tmp_path: Path):
     assert not (tmp_path / "bench").exists()
 
 
+def test_video_policy_options_and_generator_are_checked_before_any_run(tmp_path: Path):
+    def refused(*args: str) -> str:
+        done = run_benchmark("--tasks", "drawer", "--policies", "vla,video", "--out", str(tmp_path / "bench"), *args, in_process=True)
+        assert done.returncode == 2
+        return done.stderr
+
+    assert "--video-set takes KEY=VALUE (a video policy option, e.g. action_head=expert); got 'expert'" in refused("--video-set", "expert")
+    missing = str(tmp_path / "gen-{task}")
+    assert f"--video-generator: {tmp_path / 'gen-drawer'} is not a `kinema video train` run (no final/)" in refused("--video-generator", missing)
+    assert not (tmp_path / "bench").exists()
+    vla_rl = benchmark_module()
+    assert vla_rl._video_options(["action_head=expert", "action_gradients=stop"], None) == [
+        "--policy.action_head", "expert", "--policy.action_gradients", "stop"]
+
+
 def test_arms_without_their_control_are_warned_of(tmp_path: Path):
     def stderr(methods: str) -> str:  # refused afterwards by a bad --demos, so that nothing trains
         done = run_benchmark("--tasks", "drawer", "--out", str(tmp_path / "bench"), "--methods", methods, "--demos", "human",

@@ -167,6 +167,29 @@ def test_x0_model_velocity_is_derived_from_its_clean_sample_prediction(gen):
     torch.testing.assert_close(v, (x_t - x0_hat) / t.view(-1, 1, 1, 1, 1), atol=1e-5, rtol=1e-5)
 
 
+def test_one_flow_time_per_latent_frame_reaches_each_frames_tokens(gen):
+    """t (B, F'): each latent frame's tokens are told their own time (Wan2.2's per-token timesteps); the same time for
+    every frame is the per-sample t, and the velocity of an x0 model divides by each frame's own time."""
+    batch = _batch(gen)
+    x_t, prompt = torch.randn_like(batch["x0"]), batch["prompt_embeds"]
+    B, F = x_t.shape[0], x_t.shape[2]
+    t = batch["t"]
+    torch.testing.assert_close(gen.velocity(x_t, t[:, None].expand(B, F), prompt), gen.velocity(x_t, t, prompt), atol=1e-5, rtol=1e-5)
+    per_frame = torch.rand(B, F) * 0.8 + 0.1
+    seen = []
+    hook = gen.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    try:
+        x0_hat, v = gen.x0_pred(x_t, per_frame, prompt), gen.velocity(x_t, per_frame, prompt)
+    finally:
+        hook.remove()
+    tokens = seen[0].view(B, F, -1)
+    assert seen[0].shape == (B, x_t[0, 0].numel() // 4) and torch.equal(tokens, tokens[:, :, :1].expand_as(tokens))
+    torch.testing.assert_close(tokens[:, :, 0] / 1000, per_frame)
+    torch.testing.assert_close(v, (x_t - x0_hat) / per_frame[:, None, :, None, None], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"one per latent frame"):
+        gen.velocity(x_t, torch.rand(B, F + 1), prompt)
+
+
 def test_sde_log_prob_of_recorded_steps_equals_sampling_time_log_prob(gen):
     gen.add_adapter("default")
     _randomise_adapter(gen, "default", seed=9)

@@ -68,6 +68,134 @@ def test_conditioning_modes_give_the_cosmos_slots():
     assert list(names[~given[2].numpy()]) == ["value"]
 
 
+class _transformer_calls:
+    """What each pass of the policy's Wan transformer saw: its latent sequence's shape (B, C, S, h, w) and the timesteps
+    its tokens were told, (B, tokens) or (B,) (hooks on its patch embedding and time embedder, whichever entry ran)."""
+
+    def __init__(self, policy: VideoPolicy) -> None:
+        self.shapes, self.timesteps = [], []
+        wan = policy.generator.transformer
+        self.hooks = [
+            wan.patch_embedding.register_forward_pre_hook(lambda m, args: self.shapes.append(tuple(args[0].shape))),
+            wan.condition_embedder.register_forward_pre_hook(self._timestep, with_kwargs=True),
+        ]
+
+    def _timestep(self, module, args, kwargs):
+        seq = kwargs.get("timestep_seq_len")
+        self.timesteps.append(args[0] if seq is None else args[0].view(-1, seq))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+
+
+def test_acting_on_actions_denoises_the_action_slot_alone_and_joint_acting_the_whole_sequence():
+    """Acting "actions" (UWM): each Euler step runs the transformer on [current..., action] only, the current slots told
+    time 0; no future frame or value is denoised unless a future is asked for. "joint" (Cosmos): all 8 slots, every step."""
+    b = {k: v[:2] for k, v in batch(future=False).items()}
+    for acting, slots in (("actions", 4), ("joint", 8)):
+        policy = tiny(action_head="slot", acting=acting).eval()
+        with _transformer_calls(policy) as calls:
+            chunk = policy.predict_action_chunk(b)
+        shapes, timesteps = calls.shapes, calls.timesteps
+        assert chunk.shape == (2, 8, 7) and chunk.abs().max() <= 1
+        assert len(shapes) == policy.config.num_flow_steps and {s[2] for s in shapes} == {slots}
+        per_slot = torch.stack(timesteps).view(len(timesteps), 2, slots, -1)[..., 0] / 1000  # (steps, B, slots)
+        assert (per_slot[:, :, :3] == 0).all()  # the given current slots are clean
+        schedule = per_slot[:, 0, 3]
+        assert schedule[0] == 1.0 and (schedule.diff() < 0).all()  # the action slot walks from noise down
+        assert (per_slot[:, :, 3:] == schedule[:, None, None]).all()  # generated slots share the step's time
+    # The predicted future, asked for (kinema eval --video-predictions), is the world model's pass given the chunk.
+    policy = tiny(action_head="slot", acting="actions").eval()
+    policy.predict_action_chunk(b)
+    with _transformer_calls(policy) as calls:
+        frames = policy.predicted_future_images()
+    assert set(frames) == set(CAMS) and frames["wrist"].shape == (2, 3, 32, 32)
+    assert len(calls.shapes) == policy.config.num_flow_steps and {s[2] for s in calls.shapes} == {8}
+
+
+def test_independent_slot_times_train_actions_and_world_at_their_own_noise_levels():
+    """slot_times "independent": the transformer is told time 0 for the given slots, t for the action slot and t_world
+    for the future frames, state and value; samples marked actions_only train on [current..., action] alone.
+    "shared" tells every slot the one t, as Cosmos Policy trains."""
+    b = batch(4)
+    b["t"], b["t_world"] = torch.tensor([0.2, 0.4, 0.6, 0.8]), torch.tensor([0.9, 0.7, 0.5, 0.3])
+    b["actions_only"] = torch.tensor([False, True, False, False])
+    policy = tiny(action_head="slot")
+    with _transformer_calls(policy) as calls:
+        policy.flow_loss(b)
+    shapes, timesteps = calls.shapes, calls.timesteps
+    assert sorted(s[2] for s in shapes) == [4, 8] and shapes[0][0] + shapes[1][0] == 4
+    full = timesteps[[s[2] for s in shapes].index(8)].view(3, 8, -1)[..., 0] / 1000  # rows 0, 2, 3
+    rows = torch.tensor([0, 2, 3])
+    expected = torch.stack([torch.zeros(3)] * 3 + [b["t"][rows]] + [b["t_world"][rows]] * 4, dim=1)
+    torch.testing.assert_close(full, expected)
+    short = timesteps[[s[2] for s in shapes].index(4)].view(1, 4, -1)[..., 0] / 1000  # row 1
+    torch.testing.assert_close(short, torch.tensor([[0.0, 0.0, 0.0, 0.4]]))
+    shared = tiny(slot_times="shared", acting="joint", action_head="slot")
+    with _transformer_calls(shared) as calls:
+        shared.flow_loss(b)
+    assert len(calls.shapes) == 1 and calls.shapes[0][2] == 8
+    torch.testing.assert_close(calls.timesteps[0] / 1000, b["t"])
+    with pytest.raises(ValueError, match="acting 'actions'.*needs slot_times 'independent'"):
+        VideoPolicyConfig(slot_times="shared", acting="actions")
+
+
+def test_with_gradients_stopped_the_action_loss_trains_the_expert_head_and_leaves_the_trunk_unchanged():
+    """action_head "expert", action_gradients "stop" (Video Policy's second stage): a step on the actions alone moves
+    the head and not one weight of the transformer; with "trunk" the same step moves the transformer too."""
+    b = batch(4, future=False)
+    for gradients, trunk_moves in (("stop", False), ("trunk", True)):
+        policy = tiny(action_head="expert", action_gradients=gradients)
+        trunk = {k: v.clone() for k, v in policy.generator.transformer.state_dict().items()}
+        head = {k: v.clone() for k, v in policy.expert.state_dict().items()}
+        opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+        for _ in range(2):  # a batch without futures: the action loss alone
+            opt.zero_grad()
+            policy.flow_loss(b).mean().backward()
+            opt.step()
+        moved = [k for k, v in policy.generator.transformer.state_dict().items() if not torch.equal(v, trunk[k])]
+        assert bool(moved) is trunk_moves, (gradients, moved[:3])
+        assert all(not torch.equal(v, head[k]) for k, v in policy.expert.state_dict().items() if v.is_floating_point())
+    loss = tiny(action_head="expert", action_gradients="stop").flow_loss(b)
+    assert loss.shape == (4,) and torch.isfinite(loss).all()
+
+
+def test_the_expert_head_acts_from_one_transformer_pass_over_the_current_slots():
+    """Acting with the expert head: one pass of the transformer over the 3 clean current slots per chunk, then the head's
+    Euler steps; no frame slot is denoised. A saved policy acts the same after loading."""
+    policy = tiny(action_head="expert").eval()
+    b, noise = {k: v[:2] for k, v in batch(future=False).items()}, torch.randn(2, 8, 7)
+    with _transformer_calls(policy) as calls:
+        chunk = policy.predict_action_chunk(b, noise=noise)
+    assert chunk.shape == (2, 8, 7) and chunk.abs().max() <= 1
+    assert calls.shapes == [(2, 48, 3, 8, 8)] and (calls.timesteps[0] == 0).all()
+    assert torch.equal(policy.predict_action_chunk(b, noise=noise), chunk)  # paired: the noise follows the given rows
+    assert not torch.equal(policy.predict_action_chunk(b, noise=noise + 1), chunk)
+    with pytest.raises(ValueError, match="action_gradients 'stop'.*set action_head 'expert'"):
+        VideoPolicyConfig(action_head="slot", action_gradients="stop")
+    with pytest.raises(ValueError, match="action_head 'expert'.*needs slot_times 'independent'"):
+        VideoPolicyConfig(action_head="expert", slot_times="shared", acting="joint")
+
+
+def test_a_checkpoint_written_before_slot_times_existed_acts_as_it_was_trained(tmp_path: Path):
+    policy = tiny(slot_times="shared", acting="joint", action_head="slot").eval()
+    policy.save_pretrained(str(tmp_path / "old"))
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    for key in ("slot_times", "acting", "actions_only_share", "action_head", "action_gradients", "expert_hidden",
+                "expert_layers", "expert_token_dim"):
+        config.pop(key)
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    loaded = load_policy(tmp_path / "old").eval()
+    assert (loaded.config.slot_times, loaded.config.acting, loaded.config.action_head) == ("shared", "joint", "slot")
+    b, noise = {k: v[:2] for k, v in batch(future=False).items()}, torch.randn(2, 8, 7)
+    assert torch.equal(loaded.predict_action_chunk(b, noise=noise), policy.predict_action_chunk(b, noise=noise))
+    assert (VideoPolicyConfig().slot_times, VideoPolicyConfig().action_head) == ("independent", "expert")  # a new policy: the new defaults
+
+
 def test_planning_executes_the_highest_valued_candidate_and_n1_turns_it_off():
     policy = tiny(planning_candidates=5).eval()
     b = {k: v[:2] for k, v in batch().items()}
@@ -104,8 +232,9 @@ def test_best_of_n_by_the_policys_own_value_is_the_shared_selection_runner():
         SelectChunkPolicy(make_policy("vla", policy_classes("vla")[0]()), None, num_samples=4)  # a policy that does not plan
 
 
-def test_save_and_load_preserve_predictions_exactly(tmp_path: Path):
-    policy = tiny(planning_candidates=3).eval()
+@pytest.mark.parametrize("head", ["slot", "expert"])
+def test_save_and_load_preserve_predictions_exactly(tmp_path: Path, head: str):
+    policy = tiny(planning_candidates=3, action_head=head).eval()
     policy.set_normalization({"observation.state": {"mean": np.arange(8.0), "std": np.full(8, 3.0)}})
     b = {k: v[:2] for k, v in batch().items()}
     noise = torch.randn(2, 8, 7)
@@ -122,11 +251,14 @@ def test_save_and_load_preserve_predictions_exactly(tmp_path: Path):
         load_policy(tmp_path / "ckpt")
 
 
-def test_a_short_training_run_lowers_the_loss_on_a_fixed_batch_and_changes_the_weights():
-    policy = tiny()
+@pytest.mark.parametrize("head", ["slot", "expert"])
+def test_a_short_training_run_lowers_the_loss_on_a_fixed_batch_and_changes_the_weights(head: str):
+    policy = tiny(action_head=head)
     b = batch(8)
-    b["t"] = torch.linspace(0.1, 0.9, 8)
+    b["t"], b["t_world"] = torch.linspace(0.1, 0.9, 8), torch.linspace(0.9, 0.1, 8)
+    b["actions_only"] = torch.arange(8) % 2 == 0
     b["noise"] = torch.randn(8, 48, len(policy.config.slots), 8, 8, generator=torch.Generator().manual_seed(1))
+    b["action_noise"] = torch.randn(8, 8, 7, generator=torch.Generator().manual_seed(2))
     before = {k: v.clone() for k, v in policy.generator.transformer.state_dict().items()}
     opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     with torch.no_grad():
@@ -144,10 +276,13 @@ def test_a_short_training_run_lowers_the_loss_on_a_fixed_batch_and_changes_the_w
     assert not any(p.requires_grad for p in policy.generator.text_encoder.parameters())  # the frozen encoder stays
 
 
-def test_flow_loss_is_per_sample_and_weighted_by_the_credit():
-    policy = tiny()
+@pytest.mark.parametrize("head", ["slot", "expert"])
+def test_flow_loss_is_per_sample_and_weighted_by_the_credit(head: str):
+    policy = tiny(action_head=head)
     b = batch(4)
     b["t"], b["noise"] = torch.full((4,), 0.5), torch.randn(4, 48, len(policy.config.slots), 8, 8)
+    b["t_world"], b["actions_only"] = torch.full((4,), 0.3), torch.tensor([True, False, True, False])
+    b["action_noise"] = torch.randn(4, 8, 7)
     plain = policy.flow_loss(b)
     weighted = policy.flow_loss(b, weights=torch.tensor([0.0, 1.0, 2.0, 0.5]))
     assert plain.shape == (4,)
@@ -239,7 +374,8 @@ def test_a_local_generator_folder_trains_lora_and_checkpoints_reference_it(tmp_p
     VideoGenerator.from_preset("tiny-vae", seed=3).save_pretrained(tmp_path / "wan")
     policy = make_policy("video", VideoPolicyConfig(generator_path=str(tmp_path / "wan"), video_size=32, lora_rank=4))
     trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
+    assert any("lora_" in n for n in trainable) and all("lora_" in n or not n.startswith("generator.") for n in trainable)
+    assert {n.split(".")[0] for n in trainable} == {"generator", "token_proj", "expert"}  # LoRA and the action head
     assert policy.config.hidden_dim == policy.features(batch(2)).shape[1]
     b = batch(2)
     loss = policy.flow_loss(b).mean()
@@ -290,7 +426,7 @@ def test_a_post_trained_generator_is_the_video_policys_trunk(tmp_path: Path):
     untouched = lambda state: {k: v for k, v in state.items() if k not in adapted}  # noqa: E731
     assert fingerprint(untouched(policy.generator.base_state_dict())) == fingerprint(untouched(folder.base_state_dict()))
     trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
+    assert any("lora_" in n for n in trainable) and all("lora_" in n or not n.startswith("generator.") for n in trainable)
     policy.save_pretrained(str(tmp_path / "ckpt"))
     again = load_policy(tmp_path / "ckpt")
     with torch.no_grad():

@@ -215,6 +215,10 @@ class VideoPolicyOptions(PolicyOptions):
     generator_path: str = ""  # a `kinema video train` run folder or a local diffusers-layout Wan folder (LoRA-tuned); empty: a tiny random Wan
     lora_rank: int = 8  # generator_path only: LoRA rank on the pretrained transformer (the tiny one trains fully)
     planning_candidates: int = 1  # best-of-N chunks ranked by predicted value; 1: no planning
+    slot_times: str = "independent"  # "independent" (UWM): actions and future frames noised apart, given slots clean | "shared" (Cosmos)
+    acting: str = "actions"  # "actions": acting denoises the action slot alone (cheap) | "joint": the whole sequence, futures too
+    action_head: str = "expert"  # "expert": a flow MLP on the transformer's features denoises the chunk | "slot": the transformer, as a slot
+    action_gradients: str = "trunk"  # expert head: "stop" keeps the action loss out of the transformer (Video Policy)
 
     def advice(self) -> str | None:
         if self.generator_path:

@@ -431,17 +431,29 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
     # The model as a flow: velocity, x̂_0, losses
     # ==============================================================================================================
 
-    def _timestep(self, t: Tensor | float, batch_size: int) -> Tensor:
+    def _timestep(self, t: Tensor | float, batch_size: int, frames: int | None = None) -> Tensor:
+        """t as (B,), or (B, F') with one flow time per latent frame (`frames` = F' of the latents it goes with)."""
         t = torch.as_tensor(t, dtype=torch.float32, device=self.device)
         t = t.expand(batch_size) if t.ndim == 0 else t
-        if t.shape != (batch_size,):
-            raise ValueError(f"t must be a scalar or ({batch_size},); got shape {tuple(t.shape)}")
+        if t.shape != (batch_size,) and t.shape != (batch_size, frames):
+            per_frame = f" or ({batch_size}, {frames}) (one per latent frame)" if frames is not None else ""
+            raise ValueError(f"t must be a scalar, ({batch_size},){per_frame}; got shape {tuple(t.shape)}")
         return t
+
+    @staticmethod
+    def frame_times(t: Tensor) -> Tensor:
+        """t (B,) as it is; per-frame t (B, F') as (B, 1, F', 1, 1), to broadcast against latents (B, C, F', h, w)."""
+        return t[:, None, :, None, None] if t.ndim == 2 else t
 
     def _forward(self, x_t: Tensor, t: Tensor, prompt_embeds: Tensor, *, native: bool) -> Tensor:
         if prompt_embeds.shape[0] != x_t.shape[0]:
             raise ValueError(f"prompt_embeds batch {prompt_embeds.shape[0]} != x_t batch {x_t.shape[0]}")
         timestep = t * self.config.num_train_timesteps  # as WanPipeline passes scheduler.timesteps (= σ·1000)
+        if t.ndim == 2:  # one time per latent frame -> per token (Wan2.2 ti2v's per-token timesteps)
+            p_t, p_h, p_w = self.transformer.config.patch_size
+            if p_t != 1:
+                raise ValueError(f"per-frame flow times need a temporal patch of 1; this transformer's is {p_t}")
+            timestep = timestep.repeat_interleave((x_t.shape[3] // p_h) * (x_t.shape[4] // p_w), dim=1)
         kwargs = dict(hidden_states=x_t.to(self.dtype), timestep=timestep,
                       encoder_hidden_states=prompt_embeds.to(self.device, self.dtype))
         if native and isinstance(self.transformer, WanX0Transformer3DModel):
@@ -462,10 +474,11 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
     ) -> Tensor:
         """v(x_t, t) under x_t = (1 − t)x_0 + tε, v = ε − x_0, whatever the parameterisation. (B, C, F', h, w).
 
-        t: (B,) or scalar in [0, 1]. adapter: None (the active one), a name, or "base". guidance_scale > 1 applies
+        t: (B,) or scalar in [0, 1], or (B, F') one time per latent frame (a sequence whose frames are at different
+        noise levels: the video policy's slots). adapter: None (the active one), a name, or "base". guidance_scale > 1 applies
         CFG against `negative_prompt_embeds` (default: the config's negative prompt), as WanPipeline does.
         """
-        t = self._timestep(t, x_t.shape[0])
+        t = self._timestep(t, x_t.shape[0], x_t.shape[2])
         with self.use_adapter(adapter):
             v = self._forward(x_t, t, prompt_embeds, native=False)
             if guidance_scale > 1.0:
@@ -488,11 +501,11 @@ class VideoGenerator(NamedLoraAdapters, nn.Module):
 
     def x0_pred(self, x_t: Tensor, t: Tensor | float, prompt_embeds: Tensor, *, adapter: str | None = None) -> Tensor:
         """x̂_0(x_t, t): the network's output for x0 prediction, x_t − t·v for velocity prediction."""
-        t = self._timestep(t, x_t.shape[0])
+        t = self._timestep(t, x_t.shape[0], x_t.shape[2])
         with self.use_adapter(adapter):
             if self.config.prediction == "x0":
                 return self._forward(x_t, t, prompt_embeds, native=True)
-            return flow.x0_from_velocity(x_t.float(), self._forward(x_t, t, prompt_embeds, native=False), t)
+            return flow.x0_from_velocity(x_t.float(), self._forward(x_t, t, prompt_embeds, native=False), self.frame_times(t))
 
     def flow_loss(
         self,

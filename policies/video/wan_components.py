@@ -32,9 +32,10 @@ __all__ = ["PixelSpaceAutoencoder", "WanX0Transformer3DModel", "velocity_from_x0
 
 
 def velocity_from_x0(x_t: Tensor, x0_hat: Tensor, t: Tensor, *, eps: float = 1e-3) -> Tensor:
-    """v = (x_t − x̂_0) / max(t, eps), t (B,): `diffusion_rl.flow.velocity_from_x0`, restated so that this file
-    needs nothing but torch and diffusers (a test checks that the two agree)."""
-    tt = torch.as_tensor(t, dtype=x_t.dtype, device=x_t.device).reshape(-1, *([1] * (x_t.dim() - 1)))
+    """v = (x_t − x̂_0) / max(t, eps), t (B,) or already of x_t's rank: `diffusion_rl.flow.velocity_from_x0`,
+    restated so that this file needs nothing but torch and diffusers (a test checks that the two agree)."""
+    tt = torch.as_tensor(t, dtype=x_t.dtype, device=x_t.device)
+    tt = tt if tt.dim() == x_t.dim() else tt.reshape(-1, *([1] * (x_t.dim() - 1)))
     return (x_t - x0_hat) / tt.clamp_min(eps)
 
 
@@ -116,10 +117,13 @@ class WanX0Transformer3DModel(WanTransformer3DModel):
             attention_kwargs=attention_kwargs,
         )
         if self.config.prediction_type == "x0":
-            if timestep.ndim != 1:
-                raise ValueError("x0 prediction needs one timestep per sample (B,); per-token timesteps (Wan2.2 "
-                                 f"ti2v) are not supported; got shape {tuple(timestep.shape)}")
             t = timestep.to(torch.float32) / self.config.num_train_timesteps
+            if t.ndim == 2:  # per-token timesteps (Wan2.2 ti2v), constant within a latent frame: (B, 1, F, 1, 1)
+                frames = hidden_states.shape[2]
+                if self.config.patch_size[0] != 1 or t.shape[1] % frames:
+                    raise ValueError(f"x0 prediction takes per-token timesteps only as one time per latent frame "
+                                     f"(temporal patch 1); got {tuple(t.shape)} tokens for {frames} frames")
+                t = t.view(t.shape[0], frames, -1)[:, :, 0][:, None, :, None, None]
             out = velocity_from_x0(hidden_states.float(), out.float(), t, eps=self.config.x0_min_t).to(out.dtype)
         return (out,) if not return_dict else Transformer2DModelOutput(sample=out)
 

@@ -8,6 +8,11 @@ from typing import Any
 
 FORMAT_VERSION = 1
 PLANNING_VALUES = ("world", "joint")
+SLOT_TIMES = ("independent", "shared")
+ACTING = ("actions", "joint")
+ACTION_HEADS = ("slot", "expert")
+# What a config.json written before a field existed describes: the model as it was then trained and acted.
+LEGACY_FIELDS = {"slot_times": "shared", "acting": "joint", "action_head": "slot"}
 
 
 @dataclass
@@ -44,6 +49,24 @@ class VideoPolicyConfig:
     n_action_steps: int = 4
     num_flow_steps: int = 10
     time_distribution: str = "uniform"  # flow time of training samples: "uniform" | "logit_normal"
+    # --- noise levels and what acting denoises ---
+    # "independent" (UWM): the given slots at flow time 0, the action slot and the world slots (future frames, future
+    # state, value) each at a time of their own in training; "shared" (Cosmos Policy): one time for the whole sequence
+    slot_times: str = "independent"
+    # "actions": acting denoises the action slot alone, on the sequence [current..., action] (slot_times independent);
+    # "joint": the whole sequence, future frames and value included, as Cosmos Policy acts
+    acting: str = "actions"
+    actions_only_share: float = 0.5  # acting "actions": share of policy-mode training samples on [current..., action]
+    # --- what denoises the action chunk ---
+    # "slot": the transformer, as one slot of the sequence (Cosmos Policy); "expert": a flow MLP on the transformer's
+    # features of the current slots (Video Policy's action head); the action slot is then given only in world/value modes
+    action_head: str = "expert"
+    # expert head: "trunk" lets the action loss train the transformer too; "stop" stops it at the trunk's features
+    # (Video Policy: the transformer learns from the video loss alone, the head from the actions)
+    action_gradients: str = "trunk"
+    expert_hidden: int = 256
+    expert_layers: int = 3
+    expert_token_dim: int = 16  # each current-slot token's feature projected to this width before the expert reads it
     # --- values, planning, learning from experience ---
     value_discount: float = 0.99  # value target: outcome · γ^(steps from the chunk's end to the episode's end)
     planning_candidates: int = 1  # best-of-N chunks ranked by predicted value; 1: no planning
@@ -72,6 +95,29 @@ class VideoPolicyConfig:
             raise ValueError(f"VideoPolicyConfig.value_discount must be in (0, 1]; got {self.value_discount}")
         if not 0.0 <= self.experience_fraction <= 1.0:
             raise ValueError(f"VideoPolicyConfig.experience_fraction must be in [0, 1]; got {self.experience_fraction}")
+        if self.slot_times not in SLOT_TIMES:
+            raise ValueError(f"VideoPolicyConfig.slot_times must be one of {list(SLOT_TIMES)}; got {self.slot_times!r}")
+        if self.acting not in ACTING:
+            raise ValueError(f"VideoPolicyConfig.acting must be one of {list(ACTING)}; got {self.acting!r}")
+        if self.acting == "actions" and self.slot_times != "independent":
+            raise ValueError("VideoPolicyConfig.acting 'actions' denoises the action slot with the world slots left out, "
+                             "which needs slot_times 'independent' (with 'shared' use acting 'joint')")  # fmt: skip
+        if self.action_head not in ACTION_HEADS:
+            raise ValueError(f"VideoPolicyConfig.action_head must be one of {list(ACTION_HEADS)}; got {self.action_head!r}")
+        if self.action_gradients not in ("trunk", "stop"):
+            raise ValueError(f"VideoPolicyConfig.action_gradients must be 'trunk' or 'stop'; got {self.action_gradients!r}")
+        if self.action_gradients == "stop" and self.action_head != "expert":
+            raise ValueError("VideoPolicyConfig.action_gradients 'stop' stops the action loss at the trunk's features, "
+                             "which only the expert head reads: set action_head 'expert'")  # fmt: skip
+        if self.action_head == "expert":
+            if self.slot_times != "independent" or self.acting != "actions":
+                raise ValueError("VideoPolicyConfig.action_head 'expert' reads the clean current slots and denoises the "
+                                 "actions alone: it needs slot_times 'independent' and acting 'actions'")  # fmt: skip
+            if self.planning_value == "joint":
+                raise ValueError("VideoPolicyConfig.planning_value 'joint' reads the value the sequence denoises beside "
+                                 "the action slot; with action_head 'expert' values come from the world model ('world')")  # fmt: skip
+        if not 0.0 <= self.actions_only_share <= 1.0:
+            raise ValueError(f"VideoPolicyConfig.actions_only_share must be in [0, 1]; got {self.actions_only_share}")
         if self.generator_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"VideoPolicyConfig.generator_dtype must be 'float32', 'bfloat16' or 'float16'; got {self.generator_dtype!r}")
         if self.generator_path:
@@ -93,6 +139,11 @@ class VideoPolicyConfig:
         )  # fmt: skip
 
     @property
+    def action_sequence(self) -> int:
+        """Length of the sequence that acting "actions" denoises: the current slots and the action slot, which lead."""
+        return len(self.cameras) + 2
+
+    @property
     def hidden_dim(self) -> int:
         """Width of `features()`, what the critics read: pooled current latents (2x2 per camera), state, instruction."""
         if self.generator_path:  # read off the loaded components when the policy is built (recorded in extra)
@@ -108,10 +159,11 @@ class VideoPolicyConfig:
     def from_dict(cls, data: dict[str, Any]) -> VideoPolicyConfig:
         from policies.checkpoint import config_fields
 
-        return cls(**config_fields(cls, data, policy_type="video", name="video policy", format_version=FORMAT_VERSION))
+        fields = config_fields(cls, data, policy_type="video", name="video policy", format_version=FORMAT_VERSION)
+        return cls(**{**LEGACY_FIELDS, **fields})
 
     ARCHITECTURE_FIELDS = (
         "generator_path", "video_size", "pixel_scale_spatial", "num_layers", "num_attention_heads", "attention_head_dim",
         "ffn_dim", "text_dim", "max_text_tokens", "lora_rank", "lora_alpha", "cameras", "image_size", "state_dim",
-        "action_dim", "chunk_size",
+        "action_dim", "chunk_size", "slot_times", "action_head", "expert_hidden", "expert_layers", "expert_token_dim",
     )  # fmt: skip

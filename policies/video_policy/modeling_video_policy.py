@@ -102,6 +102,18 @@ class VideoPolicy(ChunkedActing, nn.Module):
         side = config.video_size // vae.scale_factor_spatial
         self.frame_shape = (int(self.generator.transformer.config.in_channels), side, side)
         self.slot_index = {name: i for i, name in enumerate(config.slots)}
+        self.expert: nn.Module | None = None
+        if config.action_head == "expert":  # the VLA's flow MLP, reading the trunk's features of the current slots
+            from policies.vla.configuration_vla import VLAConfig
+            from policies.vla.modeling_vla import ActionExpert
+
+            wan = self.generator.transformer.config
+            tokens = (side // wan.patch_size[1]) * (side // wan.patch_size[2]) * (len(config.cameras) + 1)
+            self.token_proj = nn.Linear(wan.num_attention_heads * wan.attention_head_dim, config.expert_token_dim)
+            self.expert = ActionExpert(VLAConfig(
+                chunk_size=config.chunk_size, action_dim=config.action_dim, hidden_dim=tokens * config.expert_token_dim + config.state_dim,
+                expert_hidden=config.expert_hidden, expert_layers=config.expert_layers,
+            ))  # fmt: skip
         self.register_buffer("state_mean", torch.zeros(config.state_dim))
         self.register_buffer("state_std", torch.ones(config.state_dim))
         self._queue: deque[np.ndarray] = deque()
@@ -225,7 +237,9 @@ class VideoPolicy(ChunkedActing, nn.Module):
         modes: Tensor | None = None,
     ) -> Tensor:
         """Per-sample flow-matching loss (B,) over the generated slots the batch knows (`diffusion_rl.flow`'s one
-        loss), in the model's prediction space. modes: (B,) conditioning modes, default policy mode.
+        loss), in the model's prediction space. modes: (B,) conditioning modes, default policy mode. The batch may fix
+        the draws: "t" (B,) the flow time (the action slot's), "t_world" (B,) the world slots' (slot_times
+        independent), "noise" (B, C, S, h, w), "actions_only" (B,) which policy-mode samples train on [current..., action].
 
         targets: {"x0": (B, H, A)} replaces the action chunk's target (AWR's x_0*), {"x0": (B, C, S, h, w)} or
         {"velocity": (B, C, S, h, w)} the whole sequence's."""
@@ -236,10 +250,12 @@ class VideoPolicy(ChunkedActing, nn.Module):
         given = self.given_slots(modes)
         t = batch.get("t")
         t = flow.sample_time(B, distribution=self.config.time_distribution, device=self.device) if t is None else torch.as_tensor(t, device=self.device, dtype=torch.float32)
+        t_world = None
+        if self.config.slot_times == "independent":  # UWM: the world slots' noise level drawn apart from the actions'
+            t_world = batch.get("t_world")
+            t_world = flow.sample_time(B, distribution=self.config.time_distribution, device=self.device) if t_world is None else torch.as_tensor(t_world, device=self.device, dtype=torch.float32)
         noise = batch.get("noise")
         noise = torch.randn_like(x0) if noise is None else noise.to(x0)
-        g = given[:, None, :, None, None]
-        x_t = torch.where(g, x0, flow.interpolate(x0, noise, t))
         targets = dict(targets or {})
         if unknown := set(targets) - {"x0", "velocity"}:
             raise ValueError(f"targets takes 'x0' or 'velocity'; got {sorted(unknown)}")
@@ -251,14 +267,90 @@ class VideoPolicy(ChunkedActing, nn.Module):
             else:
                 target_x0 = x0.clone()
                 target_x0[:, :, self.slot_index["action"]] = self.encode_actions(tx)
+        velocity = targets["velocity"].to(x0) if "velocity" in targets else None
+        policy_rows = modes.to(self.device) == POLICY
+        t_sequence = t
+        if self.expert is not None:  # in policy mode the chunk is the expert's: its slot stays noise, out of the loss
+            if velocity is not None:
+                raise ValueError("targets 'velocity' is a whole-sequence target; with action_head 'expert' give the chunk's 'x0'")
+            known[:, self.slot_index["action"]] &= ~policy_rows
+            t_sequence = torch.where(policy_rows, torch.ones_like(t), t)
+        mask = (~given[:, None, :, None, None] & known[:, None, :, None, None]) & elements
+        # Acting "actions" denoises [current..., action] alone: a share of the policy-mode samples learn that sequence.
+        short = batch.get("actions_only")
+        short = torch.rand(B, device=self.device) < self.config.actions_only_share if short is None else short
+        short = torch.as_tensor(short, device=self.device, dtype=torch.bool) & policy_rows
+        short &= self.config.acting == "actions" and self.expert is None
+        loss = x0.new_zeros(B)
+        trained = mask.flatten(1).any(1)  # rows with a slot to learn (an expert's batch without futures has none)
+        for rows, length in ((~short & trained, len(self.config.slots)), (short & trained, self.config.action_sequence)):
+            if not rows.any():
+                continue
+            idx = rows.nonzero()[:, 0]
+            part = lambda x: None if x is None else x[idx][:, :, :length]  # noqa: E731
+            times = self.slot_times(t_sequence[idx], given[idx][:, :length], None if t_world is None else t_world[idx])
+            loss = loss.index_copy(0, idx, self._sequence_loss(
+                part(x0), part(noise), times, given[idx][:, :length], part(mask), part(target_x0), part(velocity),
+                ctx.prompt[idx], None if weights is None else weights[idx],
+            ))  # fmt: skip
+        if self.expert is not None and "action" in batch and policy_rows.any():
+            chunk = targets["x0"].to(x0) if "x0" in targets and targets["x0"].dim() == 3 else batch["action"]
+            expert = self._expert_loss(batch, ctx, chunk, t, weights)
+            loss = loss + torch.where(policy_rows, expert, torch.zeros_like(expert))
+        return loss
+
+    def trunk_features(self, ctx: Context) -> Tensor:
+        """What the expert head reads, (B, D): the transformer's last hidden states over the clean current slots (one
+        pass over them alone), each token projected to expert_token_dim, and the normalised state. With
+        action_gradients "stop" the hidden states are detached: the action loss trains the head, not the trunk."""
+        length, B = len(self.config.cameras) + 1, ctx.state.shape[0]
+        known, _, _ = self.target_latents({}, ctx)
+        seen: list[Tensor] = []
+        hook = self.generator.transformer.norm_out.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+        try:
+            self.generator.x0_pred(known[:, :, :length], torch.zeros(B, length, device=self.device), ctx.prompt)
+        finally:
+            hook.remove()
+        hidden = seen[-1].float()
+        if self.config.action_gradients == "stop":
+            hidden = hidden.detach()
+        return torch.cat([self.token_proj(hidden).flatten(1), ctx.state], dim=1)
+
+    def _expert_loss(self, batch: Mapping[str, Any], ctx: Context, chunk: Any, t: Tensor, weights: Tensor | None) -> Tensor:
+        """The expert head's per-sample flow-matching loss (B,) on the chunk (B, H, A), padded actions left out."""
+        actions = torch.as_tensor(chunk, device=self.device, dtype=torch.float32)
+        noise = batch.get("action_noise")
+        noise = torch.randn_like(actions) if noise is None else torch.as_tensor(noise, device=self.device, dtype=torch.float32)
+        v = self.expert(flow.interpolate(actions, noise, t), t, self.trunk_features(ctx))
+        mask = None
+        if (pad := batch.get("action_is_pad")) is not None:
+            mask = ~torch.as_tensor(pad, device=self.device, dtype=torch.bool)[..., None].expand(actions.shape)
+        return flow.flow_matching_loss(v, flow.velocity_target(actions, noise).detach(), weights=weights, mask=mask)
+
+    def _sequence_loss(self, x0: Tensor, noise: Tensor, times: Tensor, given: Tensor, mask: Tensor, target_x0: Tensor,
+                       velocity: Tensor | None, prompt: Tensor, weights: Tensor | None) -> Tensor:  # fmt: skip
+        """The per-sample loss (B,) of one sequence layout: the generated slots noised at `times`, the given kept."""
+        g = given[:, None, :, None, None]
+        tt = self.generator.frame_times(times)
+        x_t = torch.where(g, x0, flow.interpolate(x0, noise, tt))
         if self.generator.config.prediction == "x0":
-            pred = self.generator.x0_pred(x_t, t, ctx.prompt)
-            target = flow.x0_from_velocity(x_t, targets["velocity"].to(x_t), t) if "velocity" in targets else target_x0
+            pred = self.generator.x0_pred(x_t, times, prompt)
+            target = flow.x0_from_velocity(x_t, velocity, tt) if velocity is not None else target_x0
         else:
-            pred = self.generator.velocity(x_t, t, ctx.prompt)
-            target = targets["velocity"].to(x_t) if "velocity" in targets else flow.velocity_target(target_x0, noise)
-        mask = (~g & known[:, None, :, None, None]) & elements
+            pred = self.generator.velocity(x_t, times, prompt)
+            target = velocity if velocity is not None else flow.velocity_target(target_x0, noise)
         return flow.flow_matching_loss(pred, target.detach(), weights=weights, mask=mask)
+
+    def slot_times(self, t: Tensor, given: Tensor, t_world: Tensor | None = None) -> Tensor:
+        """The flow time the transformer is told for each slot: t (B,) for slot_times "shared" (every slot, the given
+        ones too); (B, S) for "independent": the given slots 0 (they are clean), the action slot t, the world slots
+        t_world (default t). given: (B, S) for a sequence of the first S slots."""
+        if self.config.slot_times == "shared":
+            return t
+        names = self.config.slots[: given.shape[1]]
+        world = torch.tensor([n.startswith("future.") or n == "value" for n in names], device=self.device)
+        t_world = t if t_world is None else t_world
+        return torch.where(world[None], t_world[:, None], t[:, None]).masked_fill(given, 0.0)
 
     def experience_loss(self, batch: Mapping[str, Any], *, context: Context | None = None) -> Tensor:
         """Rollouts refine the world model and the value (Cosmos Policy's experience modes), per sample (B,): each
@@ -279,14 +371,17 @@ class VideoPolicy(ChunkedActing, nn.Module):
         g = given[:, None, :, None, None]
 
         def fn(x: Tensor, t: Tensor) -> Tensor:
-            v = self.generator.velocity(torch.where(g, known, x), t, prompt)
+            v = self.generator.velocity(torch.where(g, known, x), self.slot_times(t, given), prompt)
             return torch.where(g, torch.zeros_like(v), v)
 
         return fn
 
-    def sample(self, ctx: Context, known: Tensor, mode: int, noise: Tensor) -> Tensor:
-        """Denoise the slots `mode` generates, the given ones held at `known`: (B, C, S, h, w)."""
-        given = self.given_slots(torch.full((noise.shape[0],), mode, device=self.device))
+    def sample(self, ctx: Context, known: Tensor, mode: int, noise: Tensor, *, length: int | None = None) -> Tensor:
+        """Denoise the slots `mode` generates, the given ones held at `known`: (B, C, S, h, w). length: denoise the
+        sequence of the first `length` slots only (acting "actions": [current..., action]); (B, C, length, h, w)."""
+        length = length or len(self.config.slots)
+        known, noise = known[:, :, :length], noise[:, :, :length]
+        given = self.given_slots(torch.full((noise.shape[0],), mode, device=self.device))[:, :length]
         g = given[:, None, :, None, None]
         schedule = flow.time_schedule(self.config.num_flow_steps, shift=self.generator.config.flow_shift, device=self.device)
         return flow.euler_sample(self._velocity_fn(known, given, ctx.prompt), torch.where(g, known, noise), schedule=schedule)
@@ -294,6 +389,13 @@ class VideoPolicy(ChunkedActing, nn.Module):
     def _noise(self, rows: int, seeds: list[int] | None) -> Tensor:
         """(rows, C, S, h, w) standard normal; each row drawn from its own seed when given (paired evaluations)."""
         shape = (self.frame_shape[0], len(self.config.slots), *self.frame_shape[1:])
+        if seeds is None:
+            return torch.randn(rows, *shape, device=self.device)
+        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(self.device)
+
+    def _action_noise(self, rows: int, seeds: list[int] | None) -> Tensor:
+        """(rows, H, A) standard normal for the expert head, from the same per-row seeds as `_noise`."""
+        shape = (self.config.chunk_size, self.config.action_dim)
         if seeds is None:
             return torch.randn(rows, *shape, device=self.device)
         return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(self.device)
@@ -314,15 +416,27 @@ class VideoPolicy(ChunkedActing, nn.Module):
     def plan(self, batch: Mapping[str, Any], *, candidates: int | None = None, noise: Tensor | None = None) -> dict[str, Tensor]:
         """N candidate chunks per observation, each with its predicted value; "best" (B,) the highest-valued.
 
-        Returns "chunks" (B, N, H, A), "values" (B, N), "best" (B,), "latents" (B, N, C, S, h, w)."""
+        Returns "chunks" (B, N, H, A), "values" (B, N) (NaN where nothing predicted one: acting "actions" with N = 1),
+        "best" (B,), "latents" (B, N, C, S, h, w) (the slots acting did not generate are zero)."""
         cfg = self.config
         n = int(candidates or cfg.planning_candidates)
         ctx = self.encode(batch)[0]
         B = ctx.state.shape[0]
         rep = self._repeat(ctx, n)
         known, _, _ = self.target_latents({}, rep)
-        latents = self.sample(rep, known, POLICY, self._noise(B * n, self._row_seeds(noise, n, 0)))
-        values = self.decode_values(latents[:, :, self.slot_index["value"]])
+        # Acting "actions" denoises the chunks alone; a candidate's value then comes from the world model's pass.
+        joint = cfg.acting == "joint" or (n > 1 and cfg.planning_value == "joint")
+        seeds = self._row_seeds(noise, n, 0)
+        if self.expert is not None:
+            features = self.trunk_features(rep)
+            chunks = flow.euler_sample(lambda x, t: self.expert(x, t, features), self._action_noise(B * n, seeds), num_steps=cfg.num_flow_steps)
+            latents = known.clone()
+            latents[:, :, self.slot_index["action"]] = self.encode_actions(chunks.clamp(-1.0, 1.0))
+        else:
+            length = len(cfg.slots) if joint else cfg.action_sequence
+            latents = self.sample(rep, known, POLICY, self._noise(B * n, seeds), length=length)
+            latents = torch.cat([latents, known[:, :, length:]], dim=2)  # slots not generated stay zero
+        values = self.decode_values(latents[:, :, self.slot_index["value"]]) if joint else latents.new_full((B * n,), float("nan"))
         if n > 1 and cfg.planning_value == "world":
             values = self._world_values(rep, latents, noise, n)
         values = values.view(B, n)
@@ -350,22 +464,28 @@ class VideoPolicy(ChunkedActing, nn.Module):
         out = self.plan(batch, noise=noise)
         rows = torch.arange(out["best"].shape[0], device=out["best"].device)
         chosen = out["latents"][rows, out["best"]]
-        self.last_prediction = {
-            "value": out["values"][rows, out["best"]],
-            "values": out["values"],
-            "future": {c: chosen[:, :, self.slot_index[f"future.{c}"]] for c in self.config.cameras},
-        }
+        self.last_prediction = {"value": out["values"][rows, out["best"]], "values": out["values"], "latents": chosen, "batch": batch}
         return out["chunks"][rows, out["best"]]
 
+    @torch.no_grad()
     def predicted_future_images(self) -> dict[str, Tensor]:
-        """The last chunk's predicted future frame per camera, (B, 3, video_size, video_size) in [0, 1]."""
+        """The last chunk's predicted future frame per camera, (B, 3, video_size, video_size) in [0, 1]. Where acting
+        generated no future (acting "actions"), the world model predicts it now, given the chunk."""
         if self.last_prediction is None:
             raise RuntimeError("no prediction yet: call predict_action_chunk first")
-        return {c: self.decode_images(z) for c, z in self.last_prediction["future"].items()}
+        latents = self.last_prediction["latents"]
+        if self.config.acting == "actions" and "future" not in self.last_prediction:
+            ctx = self.encode(self.last_prediction["batch"])[0]
+            latents = self.sample(ctx, latents, WORLD, torch.randn_like(latents))
+            self.last_prediction["future"] = latents
+        latents = self.last_prediction.get("future", latents)
+        return {c: self.decode_images(latents[:, :, self.slot_index[f"future.{c}"]]) for c in self.config.cameras}
 
     def sde_log_prob(self, batch: Mapping[str, Any], *, noise_level: float = 0.7, context: Context | None = None) -> SDEStep:
         """Flow-SDE log-prob (B,) of a recorded policy-mode step x_t -> x_next over the whole latent sequence
         (batch "x_t", "t", "t_next", "x_next" of shape (B, C, S, h, w)); the given slots do not move."""
+        if self.expert is not None:
+            raise NotImplementedError("sde_log_prob is over the denoised sequence; with action_head 'expert' the chunk is the head's")
         ctx = self.encode(batch)[0] if context is None else context
         known, _, _ = self.target_latents({}, ctx)
         given = self.given_slots(torch.full((known.shape[0],), POLICY, device=self.device))
