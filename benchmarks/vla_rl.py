@@ -776,7 +776,7 @@ def _video_generators(out: Path, tasks, source: str, *, quick: bool) -> dict[str
     for task in tasks:
         run = out / f"{task}-video_generator"
         if not (run / "final" / "transformer").is_dir():
-            budget = ["--pretrain.steps", "40", "--data.episodes", "8"] if quick else []
+            budget = ["--pretrain.steps", "40", "--data.episodes", "16"] if quick else []
             overrides = ["--data.task", task, "--train.rounds", "0", "--judge.enabled", "false", *budget, "--out", str(run)]
             resume = (run / "state.json").exists()
             train_video(load_run_config(None, overrides, str(run) if resume else None, config_class=VideoTrainConfig), resume=resume)
