@@ -473,9 +473,9 @@ def main() -> None:
         parser.error(f"--policies: unknown {sorted(unknown)}; valid: vla, video, smolvla")
     tasks = ["drawer"] if args.quick else args.tasks.split(",")
     video_options = _video_options(args.video_set, parser)
-    if args.video_generator not in ("", "pretrain"):
-        runs = [Path(args.video_generator.format(task=task)) for task in tasks]
-        if missing := [str(r) for r in runs if not (r / "final").is_dir() and not (r / "transformer").is_dir()]:
+    named_generators = {task: Path(args.video_generator.format(task=task)) for task in tasks} if args.video_generator not in ("", "pretrain") else {}
+    if named_generators:
+        if missing := [str(r) for r in named_generators.values() if not (r / "final").is_dir() and not (r / "transformer").is_dir()]:
             parser.error(f"--video-generator: {missing[0]} is not a `kinema video train` run (no final/) nor a generator folder")
     if args.seeds < 1 or args.first_seed < 0:
         parser.error(f"--seeds must be >= 1 and --first-seed >= 0; got {args.seeds} and {args.first_seed}")
@@ -543,7 +543,7 @@ def main() -> None:
     run_jobs(sft_jobs, jobs_at_once=args.jobs, logs=out / "logs")
     video = "video" in args.policies.split(",")
     if video:  # the video policy's SFT on the VLA's demonstrations, then its arms beside the VLA's
-        generators = _video_generators(out, tasks, args.video_generator, quick=args.quick)
+        generators = named_generators or _video_generators(out, tasks, pretrain=args.video_generator == "pretrain", quick=args.quick)
         arm_jobs += _video_jobs(out, regimes[0], tasks, seeds, starts, configs, base_overrides, args.video_method, args.start,
                                 args.jobs, video_options, generators)  # fmt: skip
     smolvla = "smolvla" in args.policies.split(",")
@@ -760,14 +760,12 @@ def _video_options(pairs: list[str], parser: argparse.ArgumentParser) -> list[st
     return options
 
 
-def _video_generators(out: Path, tasks, source: str, *, quick: bool) -> dict[str, Path]:
-    """The video policy's pre-trained trunk per task ({} without one): --video-generator pretrain trains each task's
-    (`kinema video train` on the task's scripted videos, pre-training only: no post-training rounds, no judge) unless a
-    finished one is there; a run folder is taken as it is."""
-    if not source:
+def _video_generators(out: Path, tasks, *, pretrain: bool, quick: bool) -> dict[str, Path]:
+    """--video-generator pretrain: each task's pre-trained trunk (`kinema video train` on the task's scripted videos,
+    pre-training only: no post-training rounds, no judge) in <out>/<task>-video_generator, trained unless a finished
+    one is there; {} without pretrain."""
+    if not pretrain:
         return {}
-    if source != "pretrain":  # checked when the arguments were read
-        return {task: Path(source.format(task=task)) for task in tasks}
     from kinema.common import load_run_config
     from kinema.video.config import VideoTrainConfig
     from kinema.video.workflow import train_video

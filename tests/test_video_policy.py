@@ -160,8 +160,13 @@ def test_with_gradients_stopped_the_action_loss_trains_the_expert_head_and_leave
         moved = [k for k, v in policy.generator.transformer.state_dict().items() if not torch.equal(v, trunk[k])]
         assert bool(moved) is trunk_moves, (gradients, moved[:3])
         assert all(not torch.equal(v, head[k]) for k, v in policy.expert.state_dict().items() if v.is_floating_point())
-    loss = tiny(action_head="expert", action_gradients="stop").flow_loss(b)
+    policy = tiny(action_head="expert", action_gradients="stop")
+    loss = policy.flow_loss({**b, "t": torch.tensor(0.5)})  # a scalar time is every sample's
     assert loss.shape == (4,) and torch.isfinite(loss).all()
+    x0 = torch.zeros(4, 48, len(policy.config.slots), 8, 8)
+    with pytest.raises(ValueError, match="with action_head 'expert' the chunk is the head's"):
+        policy.flow_loss(b, targets={"x0": x0})
+    assert policy.flow_loss(b, targets={"x0": torch.zeros(4, 8, 7)}).shape == (4,)  # AWR's chunk target
 
 
 def test_the_expert_head_acts_from_one_transformer_pass_over_the_current_slots():

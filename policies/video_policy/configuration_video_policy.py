@@ -11,6 +11,7 @@ PLANNING_VALUES = ("world", "joint")
 SLOT_TIMES = ("independent", "shared")
 ACTING = ("actions", "joint")
 ACTION_HEADS = ("slot", "expert")
+ACTION_GRADIENTS = ("trunk", "stop")
 # What a config.json written before a field existed describes: the model as it was then trained and acted.
 LEGACY_FIELDS = {"slot_times": "shared", "acting": "joint", "action_head": "slot"}
 
@@ -62,7 +63,9 @@ class VideoPolicyConfig:
     # features of the current slots (Video Policy's action head); the action slot is then given only in world/value modes
     action_head: str = "expert"
     # expert head: "trunk" lets the action loss train the transformer too; "stop" stops it at the trunk's features
-    # (Video Policy: the transformer learns from the video loss alone, the head from the actions)
+    # (Video Policy: the transformer learns from the video loss alone, the head from the actions). With the expert
+    # head the demonstrations train the world slots with the action slot as noise: the world model given a chunk
+    # (planning's values, predicted futures) learns from rollouts, in RL rounds
     action_gradients: str = "trunk"
     expert_hidden: int = 256
     expert_layers: int = 3
@@ -104,8 +107,8 @@ class VideoPolicyConfig:
                              "which needs slot_times 'independent' (with 'shared' use acting 'joint')")  # fmt: skip
         if self.action_head not in ACTION_HEADS:
             raise ValueError(f"VideoPolicyConfig.action_head must be one of {list(ACTION_HEADS)}; got {self.action_head!r}")
-        if self.action_gradients not in ("trunk", "stop"):
-            raise ValueError(f"VideoPolicyConfig.action_gradients must be 'trunk' or 'stop'; got {self.action_gradients!r}")
+        if self.action_gradients not in ACTION_GRADIENTS:
+            raise ValueError(f"VideoPolicyConfig.action_gradients must be one of {list(ACTION_GRADIENTS)}; got {self.action_gradients!r}")
         if self.action_gradients == "stop" and self.action_head != "expert":
             raise ValueError("VideoPolicyConfig.action_gradients 'stop' stops the action loss at the trunk's features, "
                              "which only the expert head reads: set action_head 'expert'")  # fmt: skip
@@ -118,6 +121,9 @@ class VideoPolicyConfig:
                                  "the action slot; with action_head 'expert' values come from the world model ('world')")  # fmt: skip
         if not 0.0 <= self.actions_only_share <= 1.0:
             raise ValueError(f"VideoPolicyConfig.actions_only_share must be in [0, 1]; got {self.actions_only_share}")
+        if self.acting == "actions" and self.action_head == "slot" and self.actions_only_share == 0.0:
+            raise ValueError("VideoPolicyConfig.acting 'actions' with the slot head acts on [current..., action], which "
+                             "actions_only_share 0 never trains: set it above 0 (default 0.5)")  # fmt: skip
         if self.generator_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"VideoPolicyConfig.generator_dtype must be 'float32', 'bfloat16' or 'float16'; got {self.generator_dtype!r}")
         if self.generator_path:
@@ -139,9 +145,14 @@ class VideoPolicyConfig:
         )  # fmt: skip
 
     @property
+    def current_slots(self) -> int:
+        """The given current slots (each camera's frame and the state), which lead the sequence."""
+        return len(self.cameras) + 1
+
+    @property
     def action_sequence(self) -> int:
-        """Length of the sequence that acting "actions" denoises: the current slots and the action slot, which lead."""
-        return len(self.cameras) + 2
+        """Length of the sequence that acting "actions" denoises: the current slots and the action slot."""
+        return self.current_slots + 1
 
     @property
     def hidden_dim(self) -> int:

@@ -108,7 +108,7 @@ class VideoPolicy(ChunkedActing, nn.Module):
             from policies.vla.modeling_vla import ActionExpert
 
             wan = self.generator.transformer.config
-            tokens = (side // wan.patch_size[1]) * (side // wan.patch_size[2]) * (len(config.cameras) + 1)
+            tokens = (side // wan.patch_size[1]) * (side // wan.patch_size[2]) * config.current_slots
             self.token_proj = nn.Linear(wan.num_attention_heads * wan.attention_head_dim, config.expert_token_dim)
             self.expert = ActionExpert(VLAConfig(
                 chunk_size=config.chunk_size, action_dim=config.action_dim, hidden_dim=tokens * config.expert_token_dim + config.state_dim,
@@ -248,12 +248,10 @@ class VideoPolicy(ChunkedActing, nn.Module):
         B = x0.shape[0]
         modes = torch.full((B,), POLICY, device=self.device) if modes is None else modes
         given = self.given_slots(modes)
-        t = batch.get("t")
-        t = flow.sample_time(B, distribution=self.config.time_distribution, device=self.device) if t is None else torch.as_tensor(t, device=self.device, dtype=torch.float32)
+        t = self._batch_time(batch.get("t"), B)
         t_world = None
         if self.config.slot_times == "independent":  # UWM: the world slots' noise level drawn apart from the actions'
-            t_world = batch.get("t_world")
-            t_world = flow.sample_time(B, distribution=self.config.time_distribution, device=self.device) if t_world is None else torch.as_tensor(t_world, device=self.device, dtype=torch.float32)
+            t_world = self._batch_time(batch.get("t_world"), B)
         noise = batch.get("noise")
         noise = torch.randn_like(x0) if noise is None else noise.to(x0)
         targets = dict(targets or {})
@@ -271,8 +269,9 @@ class VideoPolicy(ChunkedActing, nn.Module):
         policy_rows = modes.to(self.device) == POLICY
         t_sequence = t
         if self.expert is not None:  # in policy mode the chunk is the expert's: its slot stays noise, out of the loss
-            if velocity is not None:
-                raise ValueError("targets 'velocity' is a whole-sequence target; with action_head 'expert' give the chunk's 'x0'")
+            if velocity is not None or ("x0" in targets and targets["x0"].dim() != 3):
+                raise ValueError("with action_head 'expert' the chunk is the head's: give targets {'x0': (B, H, A)}, the "
+                                 "chunk's, not a whole-sequence target")  # fmt: skip
             known[:, self.slot_index["action"]] &= ~policy_rows
             t_sequence = torch.where(policy_rows, torch.ones_like(t), t)
         mask = (~given[:, None, :, None, None] & known[:, None, :, None, None]) & elements
@@ -294,7 +293,7 @@ class VideoPolicy(ChunkedActing, nn.Module):
                 ctx.prompt[idx], None if weights is None else weights[idx],
             ))  # fmt: skip
         if self.expert is not None and "action" in batch and policy_rows.any():
-            chunk = targets["x0"].to(x0) if "x0" in targets and targets["x0"].dim() == 3 else batch["action"]
+            chunk = targets["x0"].to(x0) if "x0" in targets else batch["action"]
             expert = self._expert_loss(batch, ctx, chunk, t, weights)
             loss = loss + torch.where(policy_rows, expert, torch.zeros_like(expert))
         return loss
@@ -303,7 +302,7 @@ class VideoPolicy(ChunkedActing, nn.Module):
         """What the expert head reads, (B, D): the transformer's last hidden states over the clean current slots (one
         pass over them alone), each token projected to expert_token_dim, and the normalised state. With
         action_gradients "stop" the hidden states are detached: the action loss trains the head, not the trunk."""
-        length, B = len(self.config.cameras) + 1, ctx.state.shape[0]
+        length, B = self.config.current_slots, ctx.state.shape[0]
         known, _, _ = self.target_latents({}, ctx)
         seen: list[Tensor] = []
         hook = self.generator.transformer.norm_out.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
@@ -327,6 +326,12 @@ class VideoPolicy(ChunkedActing, nn.Module):
             mask = ~torch.as_tensor(pad, device=self.device, dtype=torch.bool)[..., None].expand(actions.shape)
         return flow.flow_matching_loss(v, flow.velocity_target(actions, noise).detach(), weights=weights, mask=mask)
 
+    def _batch_time(self, t: Any, B: int) -> Tensor:
+        """A batch's flow time as (B,): drawn from the configured distribution when not given, a scalar broadcast."""
+        if t is None:
+            return flow.sample_time(B, distribution=self.config.time_distribution, device=self.device)
+        return torch.as_tensor(t, device=self.device, dtype=torch.float32).expand(B)
+
     def _sequence_loss(self, x0: Tensor, noise: Tensor, times: Tensor, given: Tensor, mask: Tensor, target_x0: Tensor,
                        velocity: Tensor | None, prompt: Tensor, weights: Tensor | None) -> Tensor:  # fmt: skip
         """The per-sample loss (B,) of one sequence layout: the generated slots noised at `times`, the given kept."""
@@ -347,6 +352,7 @@ class VideoPolicy(ChunkedActing, nn.Module):
         t_world (default t). given: (B, S) for a sequence of the first S slots."""
         if self.config.slot_times == "shared":
             return t
+        t = t.expand(given.shape[0])
         names = self.config.slots[: given.shape[1]]
         world = torch.tensor([n.startswith("future.") or n == "value" for n in names], device=self.device)
         t_world = t if t_world is None else t_world
@@ -387,15 +393,11 @@ class VideoPolicy(ChunkedActing, nn.Module):
         return flow.euler_sample(self._velocity_fn(known, given, ctx.prompt), torch.where(g, known, noise), schedule=schedule)
 
     def _noise(self, rows: int, seeds: list[int] | None) -> Tensor:
-        """(rows, C, S, h, w) standard normal; each row drawn from its own seed when given (paired evaluations)."""
-        shape = (self.frame_shape[0], len(self.config.slots), *self.frame_shape[1:])
-        if seeds is None:
-            return torch.randn(rows, *shape, device=self.device)
-        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(self.device)
+        """(rows, C, S, h, w) standard normal for the latent sequence; each row drawn from its own seed when given."""
+        return self._seeded_normal(rows, (self.frame_shape[0], len(self.config.slots), *self.frame_shape[1:]), seeds)
 
-    def _action_noise(self, rows: int, seeds: list[int] | None) -> Tensor:
-        """(rows, H, A) standard normal for the expert head, from the same per-row seeds as `_noise`."""
-        shape = (self.config.chunk_size, self.config.action_dim)
+    def _seeded_normal(self, rows: int, shape: tuple[int, ...], seeds: list[int] | None) -> Tensor:
+        """(rows, *shape) standard normal; each row drawn from its own seed when given (paired evaluations)."""
         if seeds is None:
             return torch.randn(rows, *shape, device=self.device)
         return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(self.device)
@@ -417,7 +419,8 @@ class VideoPolicy(ChunkedActing, nn.Module):
         """N candidate chunks per observation, each with its predicted value; "best" (B,) the highest-valued.
 
         Returns "chunks" (B, N, H, A), "values" (B, N) (NaN where nothing predicted one: acting "actions" with N = 1),
-        "best" (B,), "latents" (B, N, C, S, h, w) (the slots acting did not generate are zero)."""
+        "best" (B,), "latents" (B, N, C, S, h, w) (the slots acting did not generate are zero), "futures" (whether
+        the latents hold generated future slots)."""
         cfg = self.config
         n = int(candidates or cfg.planning_candidates)
         ctx = self.encode(batch)[0]
@@ -427,9 +430,11 @@ class VideoPolicy(ChunkedActing, nn.Module):
         # Acting "actions" denoises the chunks alone; a candidate's value then comes from the world model's pass.
         joint = cfg.acting == "joint" or (n > 1 and cfg.planning_value == "joint")
         seeds = self._row_seeds(noise, n, 0)
-        if self.expert is not None:
-            features = self.trunk_features(rep)
-            chunks = flow.euler_sample(lambda x, t: self.expert(x, t, features), self._action_noise(B * n, seeds), num_steps=cfg.num_flow_steps)
+        chunks = None
+        if self.expert is not None:  # one trunk pass per observation, the candidates from the head
+            features = self.trunk_features(ctx).repeat_interleave(n, dim=0)
+            action_noise = self._seeded_normal(B * n, (cfg.chunk_size, cfg.action_dim), seeds)
+            chunks = flow.euler_sample(lambda x, t: self.expert(x, t, features), action_noise, num_steps=cfg.num_flow_steps)
             latents = known.clone()
             latents[:, :, self.slot_index["action"]] = self.encode_actions(chunks.clamp(-1.0, 1.0))
         else:
@@ -441,8 +446,10 @@ class VideoPolicy(ChunkedActing, nn.Module):
             values = self._world_values(rep, latents, noise, n)
         values = values.view(B, n)
         best = values.argmax(dim=1)
-        chunks = self.decode_actions(latents[:, :, self.slot_index["action"]]).view(B, n, cfg.chunk_size, cfg.action_dim)
-        return {"chunks": chunks.clamp(-1.0, 1.0), "values": values, "best": best, "latents": latents.view(B, n, *latents.shape[1:])}
+        chunks = self.decode_actions(latents[:, :, self.slot_index["action"]]) if chunks is None else chunks
+        chunks = chunks.view(B, n, cfg.chunk_size, cfg.action_dim)
+        return {"chunks": chunks.clamp(-1.0, 1.0), "values": values, "best": best, "latents": latents.view(B, n, *latents.shape[1:]),
+                "futures": joint and self.expert is None}  # fmt: skip
 
     def _world_values(self, ctx: Context, latents: Tensor, noise: Tensor | None, n: int) -> Tensor:
         """Each candidate's value re-predicted in world-model mode (given its chunk), `planning_value_samples` times:
@@ -465,6 +472,8 @@ class VideoPolicy(ChunkedActing, nn.Module):
         rows = torch.arange(out["best"].shape[0], device=out["best"].device)
         chosen = out["latents"][rows, out["best"]]
         self.last_prediction = {"value": out["values"][rows, out["best"]], "values": out["values"], "latents": chosen, "batch": batch}
+        if out["futures"]:
+            self.last_prediction["future"] = chosen
         return out["chunks"][rows, out["best"]]
 
     @torch.no_grad()
@@ -474,11 +483,11 @@ class VideoPolicy(ChunkedActing, nn.Module):
         if self.last_prediction is None:
             raise RuntimeError("no prediction yet: call predict_action_chunk first")
         latents = self.last_prediction["latents"]
-        if self.config.acting == "actions" and "future" not in self.last_prediction:
+        if "future" not in self.last_prediction:
             ctx = self.encode(self.last_prediction["batch"])[0]
             latents = self.sample(ctx, latents, WORLD, torch.randn_like(latents))
             self.last_prediction["future"] = latents
-        latents = self.last_prediction.get("future", latents)
+        latents = self.last_prediction["future"]
         return {c: self.decode_images(latents[:, :, self.slot_index[f"future.{c}"]]) for c in self.config.cameras}
 
     def sde_log_prob(self, batch: Mapping[str, Any], *, noise_level: float = 0.7, context: Context | None = None) -> SDEStep:
