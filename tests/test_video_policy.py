@@ -198,6 +198,14 @@ def test_a_checkpoint_written_before_slot_times_existed_acts_as_it_was_trained(t
     assert (loaded.config.slot_times, loaded.config.acting, loaded.config.action_head) == ("shared", "joint", "slot")
     b, noise = {k: v[:2] for k, v in batch(future=False).items()}, torch.randn(2, 8, 7)
     assert torch.equal(loaded.predict_action_chunk(b, noise=noise), policy.predict_action_chunk(b, noise=noise))
+    # ... and that layout computes what the code before these options computed (recorded from it).
+    recorded = json.loads((Path(__file__).parent / "fixtures" / "video_policy_before_slot_times.json").read_text())["chunk"]
+    g = torch.Generator().manual_seed(0)
+    old = {f"observation.images.{c}": torch.randint(0, 256, (2, 64, 64, 3), generator=g, dtype=torch.uint8) for c in CAMS}
+    old.update({"observation.state": torch.randn(2, 8, generator=g), "task": ["open the drawer"] * 2})
+    old_noise = torch.randn(2, 8, 7, generator=g)
+    chunk = tiny(**{k: getattr(loaded.config, k) for k in ("slot_times", "acting", "action_head")}).eval().predict_action_chunk(old, noise=old_noise)
+    torch.testing.assert_close(chunk.flatten(), torch.tensor(recorded), atol=1e-5, rtol=0)
     assert (VideoPolicyConfig().slot_times, VideoPolicyConfig().action_head) == ("independent", "expert")  # a new policy: the new defaults
 
 
