@@ -92,23 +92,18 @@ class VideoPolicyConfig:
             raise ValueError(f"VideoPolicyConfig.video_size must be a multiple of 16 (WanPipeline); got {self.video_size}")
         if self.time_distribution not in ("uniform", "logit_normal"):
             raise ValueError(f"VideoPolicyConfig.time_distribution must be 'uniform' or 'logit_normal'; got {self.time_distribution!r}")
-        if self.planning_value not in PLANNING_VALUES:
-            raise ValueError(f"VideoPolicyConfig.planning_value must be one of {list(PLANNING_VALUES)}; got {self.planning_value!r}")
         if not 0.0 < self.value_discount <= 1.0:
             raise ValueError(f"VideoPolicyConfig.value_discount must be in (0, 1]; got {self.value_discount}")
         if not 0.0 <= self.experience_fraction <= 1.0:
             raise ValueError(f"VideoPolicyConfig.experience_fraction must be in [0, 1]; got {self.experience_fraction}")
-        if self.slot_times not in SLOT_TIMES:
-            raise ValueError(f"VideoPolicyConfig.slot_times must be one of {list(SLOT_TIMES)}; got {self.slot_times!r}")
-        if self.acting not in ACTING:
-            raise ValueError(f"VideoPolicyConfig.acting must be one of {list(ACTING)}; got {self.acting!r}")
+        choices = {"planning_value": PLANNING_VALUES, "slot_times": SLOT_TIMES, "acting": ACTING, "action_head": ACTION_HEADS,
+                   "action_gradients": ACTION_GRADIENTS}  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"VideoPolicyConfig.{name} must be one of {list(allowed)}; got {getattr(self, name)!r}")
         if self.acting == "actions" and self.slot_times != "independent":
             raise ValueError("VideoPolicyConfig.acting 'actions' denoises the action slot with the world slots left out, "
                              "which needs slot_times 'independent' (with 'shared' use acting 'joint')")  # fmt: skip
-        if self.action_head not in ACTION_HEADS:
-            raise ValueError(f"VideoPolicyConfig.action_head must be one of {list(ACTION_HEADS)}; got {self.action_head!r}")
-        if self.action_gradients not in ACTION_GRADIENTS:
-            raise ValueError(f"VideoPolicyConfig.action_gradients must be one of {list(ACTION_GRADIENTS)}; got {self.action_gradients!r}")
         if self.action_gradients == "stop" and self.action_head != "expert":
             raise ValueError("VideoPolicyConfig.action_gradients 'stop' stops the action loss at the trunk's features, "
                              "which only the expert head reads: set action_head 'expert'")  # fmt: skip

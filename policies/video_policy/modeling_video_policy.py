@@ -302,12 +302,11 @@ class VideoPolicy(ChunkedActing, nn.Module):
         """What the expert head reads, (B, D): the transformer's last hidden states over the clean current slots (one
         pass over them alone), each token projected to expert_token_dim, and the normalised state. With
         action_gradients "stop" the hidden states are detached: the action loss trains the head, not the trunk."""
-        length, B = self.config.current_slots, ctx.state.shape[0]
-        known, _, _ = self.target_latents({}, ctx)
+        current = torch.cat([ctx.images, self.encode_vector(ctx.state)[:, :, None]], dim=2)  # the leading slots' latents
         seen: list[Tensor] = []
         hook = self.generator.transformer.norm_out.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
         try:
-            self.generator.x0_pred(known[:, :, :length], torch.zeros(B, length, device=self.device), ctx.prompt)
+            self.generator.x0_pred(current, current.new_zeros(current.shape[0], current.shape[2]), ctx.prompt)
         finally:
             hook.remove()
         hidden = seen[-1].float()
@@ -449,7 +448,7 @@ class VideoPolicy(ChunkedActing, nn.Module):
         chunks = self.decode_actions(latents[:, :, self.slot_index["action"]]) if chunks is None else chunks
         chunks = chunks.view(B, n, cfg.chunk_size, cfg.action_dim)
         return {"chunks": chunks.clamp(-1.0, 1.0), "values": values, "best": best, "latents": latents.view(B, n, *latents.shape[1:]),
-                "futures": joint and self.expert is None}  # fmt: skip
+                "futures": joint}  # fmt: skip
 
     def _world_values(self, ctx: Context, latents: Tensor, noise: Tensor | None, n: int) -> Tensor:
         """Each candidate's value re-predicted in world-model mode (given its chunk), `planning_value_samples` times:
