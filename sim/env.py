@@ -234,6 +234,9 @@ class TabletopEnv(gym.Env):
         self._episode_model: tuple[np.ndarray, np.ndarray] | None = None  # what sample_episode may change, as built
         self.task = ""
         self.steps = 0
+        # False: observations carry no camera frames (state and instruction only). Rendering is most of a step's
+        # cost; a vector env clears it for steps after which no policy reads the frames (sim.vector `observe`).
+        self.render_images = True
         self.bind()
 
         self.observation_space, self.action_space = policy_spaces(self.cameras, self.image_hw)
@@ -354,7 +357,7 @@ class TabletopEnv(gym.Env):
 
     def _observation(self) -> dict[str, Any]:
         obs: dict[str, Any] = {}
-        if self.cameras:
+        if self.cameras and self.render_images:
             if self._renderer is None:
                 self._renderer = mujoco.Renderer(self.model, *self.image_hw)
             for cam in self.cameras:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from diffusion_rl.data import Episode, ExecutedBy
+from diffusion_rl.data import IMAGE_PREFIX, Episode, ExecutedBy
 from sim.env import CONTROL_HZ, TaskConfig
 from sim.experts import ExpertConfig
 from sim.monitor import DemoWrapper, MonitorConfig, SimulatedHuman
@@ -97,11 +97,12 @@ class _EpisodeBuffer:
         self.wrong_target: bool | None = None  # None until a step's info says (tasks without wrong targets never do)
         self.task = ""
 
-    def add_obs(self, obs: dict[str, Any], i: int, privileged: dict[str, Any]) -> None:
-        """Observation t and the privileged state at the same instant (from the info of the step that led to it)."""
+    def add_obs(self, obs: dict[str, Any], i: int, privileged: dict[str, Any], *, frames: bool = True) -> None:
+        """Observation t and the privileged state at the same instant (from the info of the step that led to it);
+        without `frames`, the camera images are left out."""
         self.task = obs["task"][i]
         for key, value in obs.items():
-            if key != "task":
+            if key != "task" and (frames or not key.startswith(IMAGE_PREFIX)):
                 self.obs.setdefault(key, []).append(np.array(value[i]))
         for key, value in privileged.items():
             self.privileged.setdefault(key, []).append(np.asarray(value, np.float32))
@@ -144,17 +145,27 @@ def collect(
     policy_version: str = "",
     record_privileged: bool = True,
     on_episode: Callable[[Episode], None] | None = None,
+    frames: str = "every_step",
 ) -> list[Episode]:
     """Run `policy` in `vector` until one episode per seed has finished; return them in completion order.
 
+    `frames`: "every_step" renders and records the cameras at every step (what training reads); "when_acting"
+    renders them only for the observations the policy decides from, and the episodes hold no frames (what an
+    evaluation needs: with chunks of 4 steps it renders a quarter of the frames).
+
     A policy with `episode_finished(episode)` is told each returned episode's start-order number (the `episode` that
     `chunk_taken` was told), in the order of the returned list. A policy with `about_to_act(seeds, steps)` is told,
-    before each call, every env's episode seed and step (None for an idle env): what a sampler needs to draw its
-    noise per episode, the same whatever the batch or the process layout.
+    before each call, every env's episode seed and step (step None for an env that takes no chunk from the call:
+    idle, or midway through its chunk): what a sampler needs to draw its noise per episode, the same whatever the
+    batch or the process layout, and to compute chunks only for the envs that take them.
     """
+    if frames not in ("every_step", "when_acting"):
+        raise ValueError(f"frames must be 'every_step' or 'when_acting'; got {frames!r}")
+    every_step = frames == "every_step"
     pending = list(seeds)
     episodes: list[Episode] = []
     n = vector.num_envs
+    stale = np.zeros(n, bool)  # envs whose frames in `obs` are older than their state (not rendered since)
     buffers: list[_EpisodeBuffer | None] = [None] * n
     queues: list[list[np.ndarray]] = [[] for _ in range(n)]
     reset_fn = getattr(policy, "reset", None)
@@ -173,7 +184,8 @@ def collect(
         obs, info = vector.reset_at(i, seed)
         buffers[i] = _EpisodeBuffer(seed, started[0])
         started[0] += 1
-        buffers[i].add_obs(obs, i, info.get("privileged", {}) if record_privileged else {})
+        buffers[i].add_obs(obs, i, info.get("privileged", {}) if record_privileged else {}, frames=every_step)
+        stale[i] = False
         queues[i] = []
         if reset_fn is not None:
             reset_fn([i])
@@ -183,9 +195,13 @@ def collect(
     while any(b is not None for b in buffers):
         active = np.array([b is not None for b in buffers])
         if any(active[i] and not queues[i] for i in range(n)):
+            deciding_stale = [i for i in range(n) if stale[i] and active[i] and not queues[i]]
+            if deciding_stale:  # its chunk was cut short (a human took over): it first renders what it sees now
+                obs = vector.observe_at(deciding_stale)
+                stale[deciding_stale] = False
             if about_to_act is not None:
                 about_to_act([b.seed if b is not None else None for b in buffers],
-                             [len(b.actions) if b is not None else None for b in buffers])  # fmt: skip
+                             [len(b.actions) if b is not None and not queues[i] else None for i, b in enumerate(buffers)])
             out = np.asarray(policy(obs), np.float32)
             if out.ndim not in (2, 3) or out.shape[0] != n or out.shape[-1] != 7:
                 raise ValueError(f"policy must return (B, 7) or (B, H, 7) with B={n}; got shape {out.shape}")
@@ -200,7 +216,9 @@ def collect(
         actions = np.zeros((n, 7), np.float32)
         for i in np.flatnonzero(active):
             actions[i] = queues[i].pop(0)
-        obs, rewards, terminated, truncated, infos = vector.step(actions, active)
+        observe = np.ones(n, bool) if every_step else np.array([not q for q in queues])
+        obs, rewards, terminated, truncated, infos = vector.step(actions, active, observe)
+        stale[active] = ~observe[active]
         for i in np.flatnonzero(active):
             info = infos[i]
             buffers[i].add_step(actions[i], info, float(rewards[i]))
@@ -217,7 +235,7 @@ def collect(
                     on_episode(ep)
                 start(i)
             else:
-                buffers[i].add_obs(obs, i, info.get("privileged", {}) if record_privileged else {})
+                buffers[i].add_obs(obs, i, info.get("privileged", {}) if record_privileged else {}, frames=every_step)
     return episodes
 
 

@@ -1,8 +1,10 @@
 """Batches of task environments: stepped in-process, or spread over worker processes with several envs each.
 
 Both classes expose the same small interface, so rollout code never knows which one it drives:
-`reset_at(i, seed)`, `step(actions, active)`, `num_envs`, `close()`. Observations come back batched:
-`{key: array (num_envs, ...)}` plus `"task": list[str]`; infos come back as a list of dicts.
+`reset_at(i, seed)`, `step(actions, active, observe)`, `observe_at(indices)`, `num_envs`, `close()`. Observations come
+back batched: `{key: array (num_envs, ...)}` plus `"task": list[str]`; infos come back as a list of dicts. A step's
+`observe` mask says which envs render their cameras after it: an env left out keeps its last frames in the batch
+(rendering is most of a step's cost, and a chunked policy reads frames only when it decides), until `observe_at`.
 
 Worker processes start with `forkserver` (a fork of a process holding EGL/OpenGL state is unsafe), set
 `LP_NUM_THREADS=1` before anything renders (llvmpipe otherwise spawns a thread per core in every process and the
@@ -33,6 +35,28 @@ def _empty_obs_batch(space: Any, n: int) -> dict[str, Any]:
     return batch
 
 
+def _step_env(env: Any, action: np.ndarray, render: bool) -> tuple:
+    """`env.step(action)`, its cameras not rendered when `render` is False (on envs that can skip them)."""
+    base = env.unwrapped
+    if render or not hasattr(base, "render_images"):
+        return env.step(action)
+    base.render_images = False
+    try:
+        return env.step(action)
+    finally:
+        base.render_images = True
+
+
+def _current_observation(env: Any) -> dict[str, Any]:
+    """The env's observation now, cameras rendered; {} from an env that never skips them (its frames are current)."""
+    base = env.unwrapped
+    return base._observation() if hasattr(base, "render_images") else {}
+
+
+def _mask(values: np.ndarray | None, n: int) -> np.ndarray:
+    return np.ones(n, bool) if values is None else np.asarray(values, bool)
+
+
 class InProcessVector:
     """Envs stepped one after another in this process."""
 
@@ -51,16 +75,21 @@ class InProcessVector:
         self._store(i, obs)
         return self.obs, info
 
-    def step(self, actions: np.ndarray, active: np.ndarray | None = None):
-        active = np.ones(self.num_envs, bool) if active is None else active
+    def step(self, actions: np.ndarray, active: np.ndarray | None = None, observe: np.ndarray | None = None):
+        active, observe = _mask(active, self.num_envs), _mask(observe, self.num_envs)
         rewards = np.zeros(self.num_envs, np.float32)
         terminated = np.zeros(self.num_envs, bool)
         truncated = np.zeros(self.num_envs, bool)
         infos: list[dict[str, Any]] = [{} for _ in range(self.num_envs)]
         for i in np.flatnonzero(active):
-            obs, rewards[i], terminated[i], truncated[i], infos[i] = self.envs[i].step(actions[i])
+            obs, rewards[i], terminated[i], truncated[i], infos[i] = _step_env(self.envs[i], actions[i], observe[i])
             self._store(i, obs)
         return self.obs, rewards, terminated, truncated, infos
+
+    def observe_at(self, indices: Sequence[int]) -> dict[str, Any]:
+        for i in indices:
+            self._store(i, _current_observation(self.envs[i]))
+        return self.obs
 
     def close(self) -> None:
         for env in self.envs:
@@ -94,14 +123,16 @@ def _worker(conn: Any, env_fns: list[EnvFn], shm_specs: dict[str, tuple[str, tup
                     obs, info = envs[j].reset(seed=seed)
                     reply: Any = (store(j, obs), info)
                 elif cmd == "step":
-                    actions, active = payload
+                    actions, active, observe = payload
                     reply = []
                     for j, env in enumerate(envs):
                         if not active[j]:
                             reply.append(None)
                             continue
-                        obs, reward, terminated, truncated, info = env.step(actions[j])
+                        obs, reward, terminated, truncated, info = _step_env(env, actions[j], observe[j])
                         reply.append((store(j, obs), reward, terminated, truncated, info))
+                elif cmd == "observe":
+                    reply = [store(j, _current_observation(envs[j])) for j in payload]
                 else:
                     raise ValueError(f"unknown worker command {cmd!r}")
                 conn.send(("ok", reply))
@@ -183,10 +214,10 @@ class ProcessVector:
         self._store_small(i, small)
         return self.obs, info
 
-    def step(self, actions: np.ndarray, active: np.ndarray | None = None):
-        active = np.ones(self.num_envs, bool) if active is None else np.asarray(active, bool)
+    def step(self, actions: np.ndarray, active: np.ndarray | None = None, observe: np.ndarray | None = None):
+        active, observe = _mask(active, self.num_envs), _mask(observe, self.num_envs)
         for w, block in enumerate(self.blocks):
-            self.conns[w].send(("step", (np.asarray(actions)[block], active[block])))
+            self.conns[w].send(("step", (np.asarray(actions)[block], active[block], observe[block])))
         rewards = np.zeros(self.num_envs, np.float32)
         terminated = np.zeros(self.num_envs, bool)
         truncated = np.zeros(self.num_envs, bool)
@@ -207,6 +238,18 @@ class ProcessVector:
                 small, rewards[i], terminated[i], truncated[i], infos[i] = result
                 self._store_small(int(i), small)
         return self.obs, rewards, terminated, truncated, infos
+
+    def observe_at(self, indices: Sequence[int]) -> dict[str, Any]:
+        by_worker: dict[int, list[tuple[int, int]]] = {}
+        for i in indices:
+            w, j = self.owner[int(i)]
+            by_worker.setdefault(w, []).append((int(i), j))
+        for w, pairs in by_worker.items():
+            self.conns[w].send(("observe", [j for _, j in pairs]))
+        for w, pairs in by_worker.items():
+            for (i, _), small in zip(pairs, self._recv(w)):
+                self._store_small(i, small)
+        return self.obs
 
     def close(self) -> None:
         if not self._shms:

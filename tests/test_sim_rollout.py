@@ -206,3 +206,84 @@ def test_an_episode_that_reached_a_wrong_target_is_a_failure_and_says_so():
         result = summarize(episodes)
         assert (result.success, result.wrong_target) == ((0.0, 1.0) if wrong else (1.0, 0.0))
         assert result.as_dict("train/")["train/wrong_target"] == result.wrong_target
+
+
+class ImagePolicy:
+    """Chunks of 3 that depend on the wrist frame it decides from; keeps each decision's (env, step, frame)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, np.ndarray]] = []
+        self.steps: list[int | None] = []
+
+    def about_to_act(self, seeds, steps) -> None:
+        self.steps = steps
+
+    def __call__(self, obs):
+        frames = obs["observation.images.wrist"].astype(np.float32) / 255.0
+        chunk = np.zeros((len(obs["task"]), 3, 7), np.float32)
+        chunk[:, :, 0] = (frames.mean(axis=(1, 2, 3)) - 0.4)[:, None] * 4
+        chunk[:, :, 1] = np.array([0.3, -0.2, 0.1])
+        for i, step in enumerate(self.steps):
+            if step is not None:
+                self.seen.append((i, step, obs["observation.images.wrist"][i].copy()))
+        return chunk
+
+
+def _collect_counting_renders(frames: str, monkeypatch, workers: int = 0, **kwargs):
+    import mujoco
+
+    renders = [0]
+    render = mujoco.Renderer.render
+
+    def counted(self, *args, **kw):
+        renders[0] += 1
+        return render(self, *args, **kw)
+
+    monkeypatch.setattr(mujoco.Renderer, "render", counted)
+    policy = ImagePolicy()
+    vector = make_vector("push", 2, num_workers=workers, image_size=24, config={"horizon": 14}, **kwargs)
+    try:
+        episodes = sorted(collect(vector, policy, range(3), task_id="push", frames=frames), key=lambda ep: ep.seed)
+    finally:
+        vector.close()
+    monkeypatch.setattr(mujoco.Renderer, "render", render)
+    return episodes, policy.seen, renders[0]
+
+
+def test_frames_when_acting_render_only_what_the_policy_decides_from(monkeypatch):
+    """`frames="when_acting"` (evaluations): the policy decides from the same fresh frames as when every step renders,
+    so the episodes play the same; the cameras render about once a chunk, and the episodes carry no frames."""
+    full, full_seen, full_renders = _collect_counting_renders("every_step", monkeypatch)
+    lean, lean_seen, lean_renders = _collect_counting_renders("when_acting", monkeypatch)
+    assert [(i, s) for i, s, _ in lean_seen] == [(i, s) for i, s, _ in full_seen]
+    for (_, _, a), (_, _, b) in zip(full_seen, lean_seen, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(full, lean, strict=True):
+        np.testing.assert_array_equal(a.action, b.action)
+        np.testing.assert_array_equal(a.observations["observation.state"], b.observations["observation.state"])
+        assert "observation.images.wrist" in a.observations and "observation.images.wrist" not in b.observations
+    assert full_renders == 2 * (3 + 3 * 14)  # two cameras at each reset and after each step
+    assert lean_renders == 2 * len(lean_seen)  # only the observations a chunk was decided from
+    with pytest.raises(ValueError, match="frames must be 'every_step' or 'when_acting'; got 'sometimes'"):
+        collect(make_vector("push", 1, cameras=()), ImagePolicy(), [0], task_id="push", frames="sometimes")
+
+
+def test_frames_when_acting_render_afresh_where_a_human_cut_the_chunk_short(monkeypatch):
+    """A takeover empties the policy's chunk midway, after steps that rendered nothing: the env renders again before
+    the policy decides, so it decides from what it sees, as when every step renders."""
+    monitor = dict(actor="monitored", monitor=MonitorConfig(rewind="teleport", stall_steps=4, failure_window=2))
+    full, full_seen, _ = _collect_counting_renders("every_step", monkeypatch, **monitor)
+    refreshed = []
+    observe_at = InProcessVector.observe_at
+    monkeypatch.setattr(InProcessVector, "observe_at", lambda self, indices: refreshed.extend(indices) or observe_at(self, indices))
+    lean, lean_seen, _ = _collect_counting_renders("when_acting", monkeypatch, **monitor)
+    assert any((ep.executed_by == ExecutedBy.HUMAN).any() for ep in full) and refreshed
+    assert [(i, s) for i, s, _ in lean_seen] == [(i, s) for i, s, _ in full_seen]
+    for (_, _, a), (_, _, b) in zip(full_seen, lean_seen, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(full, lean, strict=True):
+        np.testing.assert_array_equal(a.action, b.action)
+        np.testing.assert_array_equal(a.executed_by, b.executed_by)
+    in_workers, _, _ = _collect_counting_renders("when_acting", monkeypatch, workers=2, **monitor)
+    for a, b in zip(full, in_workers, strict=True):
+        np.testing.assert_array_equal(a.action, b.action)

@@ -44,6 +44,33 @@ def test_the_same_checkpoint_plays_the_same_episodes_in_process_in_workers_and_i
         np.testing.assert_array_equal(actions, again_actions[seed])
 
 
+def test_chunks_are_computed_only_for_the_envs_that_take_them():
+    """`collect` says which envs take a chunk from a call (step None: midway through one, or idle): the runner
+    computes theirs alone, each as in the whole batch, from its own seed's noise, with its SDE record kept by env."""
+    from test_train_pa_rl_dsrl import obs
+
+    from kinema.train.evaluate import ChunkPolicy
+
+    policy = tiny_policy().eval()
+    batch, seeds = obs(4), [5, 6, 7, 8]
+    whole = ChunkPolicy(policy)
+    whole.about_to_act(seeds, [3, 3, 3, 3])
+    every = whole.chunks(batch)
+    runner = ChunkPolicy(policy)
+    runner.about_to_act(seeds, [None, 3, None, 3])
+    some = runner.chunks(batch)
+    assert (some[[0, 2]] == 0).all()
+    np.testing.assert_allclose(some[[1, 3]], every[[1, 3]], atol=1e-5)
+    sde = ChunkPolicy(policy, sde_noise=0.5)
+    sde.about_to_act(seeds, [None, None, 3, None])
+    chunk = sde.chunks(batch)
+    sde.chunk_taken(2, episode=0, step=3)
+    record = sde.records[(0, 3)]
+    assert record["obs"]["task"] == batch["task"][2]
+    np.testing.assert_array_equal(record["obs"]["observation.state"].numpy(), batch["observation.state"][2])
+    np.testing.assert_allclose(record["x_next"][-1].clamp(-1, 1).numpy(), chunk[2], atol=1e-6)  # the chunk it took
+
+
 def test_paired_difference_is_per_seed_on_the_seeds_both_evaluations_ran():
     a = {"train/seeds": [1, 2, 3, 4], "train/outcomes": [0, 0, 1, 1]}
     b = {"train/seeds": [2, 3, 4, 5], "train/outcomes": [1, 1, 1, 0]}  # seed 5 is not in a, seed 1 not in b

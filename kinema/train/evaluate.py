@@ -49,19 +49,30 @@ class ChunkPolicy:
         self.finished: list[int] = []  # start-order numbers, in the order `collect` returns the episodes
         self._last: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._episodes: tuple[list[int | None], list[int | None]] | None = None  # per env: (seed, step)
+        self._rows: list[int] | None = None  # the envs of this call's batch that act on its chunks, by env index
 
     def about_to_act(self, seeds: list[int | None], steps: list[int | None]) -> None:
-        self._episodes = (seeds, steps)
+        """Each env's episode seed and step; a step of None: that env takes no chunk from the coming call (idle, or
+        midway through its chunk), so no chunk is computed for it."""
+        self._episodes, self._rows = (seeds, steps), None
+
+    def _acting_rows(self, batch_size: int) -> list[int]:
+        if self._episodes is None or len(self._episodes[1]) != batch_size:
+            return list(range(batch_size))
+        return [i for i, step in enumerate(self._episodes[1]) if step is not None]
 
     def _episode_noise(self, batch_size: int, samples: int = 0) -> torch.Tensor | None:
-        """(B, chunk, action_dim) standard normal noise, each env's drawn from its own (episode seed, step); with
-        `samples`, (B, samples, chunk, action_dim), drawn in turn from the same generator (the first sample is the
-        one drawn without `samples`)."""
-        if self._episodes is None or len(self._episodes[0]) != batch_size:
+        """(B, chunk, action_dim) standard normal noise for the acting envs of this call, each env's drawn from its
+        own (episode seed, step); with `samples`, (B, samples, chunk, action_dim), drawn in turn from the same
+        generator (the first sample is the one drawn without `samples`)."""
+        if self._episodes is None:
+            return None
+        acting = self._rows if self._rows is not None else self._acting_rows(len(self._episodes[1]))
+        if len(acting) != batch_size:
             return None
         shape = (self.policy.config.chunk_size, self.policy.config.action_dim)
         rows = []
-        for seed, step in zip(*self._episodes):
+        for seed, step in ((self._episodes[0][i], self._episodes[1][i]) for i in acting):
             key = np.random.SeedSequence([int(seed), int(step)]).generate_state(1)[0] if seed is not None else 0
             g = torch.Generator().manual_seed(int(key))
             draws = [torch.randn(shape, generator=g) for _ in range(max(samples, 1))]
@@ -84,17 +95,25 @@ class ChunkPolicy:
 
     @torch.no_grad()
     def chunks(self, obs: dict[str, Any]) -> np.ndarray:
-        """Whole chunks (B, chunk_size, action_dim) for the batch of observations."""
+        """Whole chunks (B, chunk_size, action_dim) for the batch of observations; zeros for the envs that
+        `about_to_act` said take none (computed for the others only: the policy's cost is per sample)."""
+        B = len(obs["task"])
+        rows = self._rows = self._acting_rows(B)
         was_training = self.policy.training
-        self.policy.eval()
-        batch = {k: (torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v) for k, v in obs.items()}
+        if was_training:  # train()/eval() walk every module: most calls find the policy in eval mode already
+            self.policy.eval()
+        batch = {k: (torch.from_numpy(np.ascontiguousarray(v[rows])) if isinstance(v, np.ndarray) else [v[i] for i in rows])
+                 for k, v in obs.items()}  # fmt: skip
         if self.sde_noise is None:
             chunk = self.sample(batch)
         else:
             chunk, record = self.policy.sample_chunk_sde(batch, noise_level=self.sde_noise)
             self._last = ({k: (v.clone() if torch.is_tensor(v) else list(v)) for k, v in batch.items()}, record)
-        self.policy.train(was_training)
-        return chunk.cpu().numpy()
+        if was_training:
+            self.policy.train()
+        out = np.zeros((B, *chunk.shape[1:]), np.float32)
+        out[rows] = chunk.cpu().numpy()
+        return out
 
     def episode_finished(self, episode: int) -> None:
         self.finished.append(episode)
@@ -109,8 +128,9 @@ class ChunkPolicy:
         if self._last is None:
             return
         batch, record = self._last
-        obs = {"obs": {k: v[env_index] for k, v in batch.items()}} if batch is not None else {}
-        self.records[(episode, step)] = {**obs, **{k: (v[env_index] if v.ndim > 1 else v) for k, v in record.items()}}
+        row = self._rows.index(env_index)  # the env's row in the last call's batch of acting envs
+        obs = {"obs": {k: v[row] for k, v in batch.items()}} if batch is not None else {}
+        self.records[(episode, step)] = {**obs, **{k: (v[row] if v.ndim > 1 else v) for k, v in record.items()}}
 
 
 class PlanAheadChunkPolicy(ChunkPolicy):
@@ -376,7 +396,8 @@ def evaluate(
     "heldout_instructions" (paraphrases), "heldout_objects" (held-out object/colour combinations) or
     "ablated_instructions" (no target named). `seed`: the
     run's seed (runs of one seed share their evaluation episodes: paired). `runner`: what acts instead of
-    `ChunkPolicy(policy)` (critic-selected or steered chunks)."""
+    `ChunkPolicy(policy)` (critic-selected or steered chunks). The cameras render only where the policy decides, so
+    the episodes returned hold states, actions and outcomes, not frames."""
     if split not in SPLITS:
         raise ValueError(f"unknown evaluation split {split!r}; valid: {sorted(SPLITS)}")
     num_envs = max(1, min(num_envs, episodes))
@@ -386,7 +407,8 @@ def evaluate(
     try:
         first = EVAL_SEED_OFFSET + seed * RUN_SEED_STRIDE
         seeds = range(first, first + episodes)
-        eps = collect(vector, runner or ChunkPolicy(policy), seeds, task_id=task, policy_version="eval", record_privileged=False, on_episode=on_episode)
+        eps = collect(vector, runner or ChunkPolicy(policy), seeds, task_id=task, policy_version="eval", record_privileged=False, on_episode=on_episode,
+                      frames="when_acting")
     finally:
         vector.close()
     return summarize(eps, split), eps
