@@ -139,6 +139,14 @@ def actor_step(
     return float(loss.detach())
 
 
+def policy_optimizer(policy: Any, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the policy's weights, as one fused kernel per step (on these CPUs the per-tensor loop of torch's
+    default took a tenth of an SFT step)."""
+    params = list(policy.parameters())
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+
+
 def concat_batches(parts: Sequence[dict]) -> dict:
     if len(parts) == 1:
         return parts[0]
@@ -155,9 +163,10 @@ def take_rows(batch: dict, rows: slice) -> dict:
 def ema_update(ema: Any, online: Any, decay: float) -> None:
     """Exponential moving average of the weights: the policy that acts. Flow policies trained on small data
     swing widely between nearby checkpoints; the average does not."""
-    for e, o in zip(ema.parameters(), online.parameters()):
-        if o.requires_grad:  # a frozen backbone's weights are equal in both: averaging them only costs time
-            e.lerp_(o, 1.0 - decay)
+    # A frozen backbone's weights are equal in both: averaging them only costs time.
+    pairs = [(e, o) for e, o in zip(ema.parameters(), online.parameters()) if o.requires_grad]
+    if pairs:
+        torch._foreach_lerp_([e for e, _ in pairs], [o for _, o in pairs], 1.0 - decay)
     for e, o in zip(ema.buffers(), online.buffers()):
         e.copy_(o)
 

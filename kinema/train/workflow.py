@@ -38,7 +38,7 @@ from kinema.common import (
     write_collected,
 )
 from kinema.train import distributed
-from kinema.train.actor import actor_updates, ema_update
+from kinema.train.actor import actor_updates, ema_update, policy_optimizer
 from kinema.train.buffer import StepBuffer
 from kinema.train.config import TrainConfig
 from kinema.train.evaluate import SPLIT_NAMES, ChunkPolicy, EvalResult, evaluate, final_splits, summarize
@@ -237,7 +237,7 @@ def _train(
     if latest:
         acting = load_policy(run.root / latest)
         policy = copy.deepcopy(acting)  # its trained weights come from trainer.pt below
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.rl.lr, weight_decay=cfg.sft.weight_decay)
+        optimizer = policy_optimizer(policy, cfg.rl.lr, cfg.sft.weight_decay)
     else:
         if cfg.init_policy:
             # Branch from an existing SFT checkpoint: every method of a comparison starts from the same policy.
@@ -249,7 +249,7 @@ def _train(
         else:
             sft_steps = cfg.sft.steps
         acting = copy.deepcopy(policy).requires_grad_(False) if decay else policy
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay)
+        optimizer = policy_optimizer(policy, cfg.sft.lr, cfg.sft.weight_decay)
     if policy.scales_initial_noise:  # its checkpoints act, deployed, as this run evaluates them
         for model in (policy, acting):
             model.config.inference_noise_scale = cfg.eval.noise_scale

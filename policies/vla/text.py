@@ -31,6 +31,7 @@ class HashTokenizer:
     def __init__(self, buckets: int, max_words: int) -> None:
         self.buckets, self.max_words = buckets, max_words
         self._cache: dict[str, list[list[int]]] = {}
+        self._rows: dict[str, Tensor] = {}  # each instruction's (max_words, ngrams) ids, built once
 
     def words(self, text: str) -> list[list[int]]:
         if text not in self._cache:
@@ -41,15 +42,23 @@ class HashTokenizer:
     def __call__(self, texts: list[str], device: torch.device | str = "cpu", *, filler_words: float = 0.0) -> tuple[Tensor, Tensor]:
         """`filler_words` (training): the share of instructions that get one or two random letter strings inserted
         at random places, so that the encoder learns to pass over words it does not know ("could you", "dish")."""
-        ids = torch.zeros(len(texts), self.max_words, MAX_NGRAMS_PER_WORD, dtype=torch.long)
-        for b, text in enumerate(texts):
-            words = self.words(text)
+        rows = []
+        for text in texts:
             if filler_words and torch.rand(()) < filler_words:
-                words = self._with_fillers(words)
-            for w, grams in enumerate(words):
-                ids[b, w, : len(grams)] = torch.tensor(grams)
+                rows.append(self._ids(self._with_fillers(self.words(text))))
+            else:
+                if text not in self._rows:
+                    self._rows[text] = self._ids(self.words(text))
+                rows.append(self._rows[text])
+        ids = torch.stack(rows) if rows else torch.zeros(0, self.max_words, MAX_NGRAMS_PER_WORD, dtype=torch.long)
         mask = ids[:, :, 0] > 0
         return ids.to(device), mask.to(device)
+
+    def _ids(self, words: list[list[int]]) -> Tensor:
+        ids = torch.zeros(self.max_words, MAX_NGRAMS_PER_WORD, dtype=torch.long)
+        for w, grams in enumerate(words):
+            ids[w, : len(grams)] = torch.tensor(grams)
+        return ids
 
     def _with_fillers(self, words: list[list[int]]) -> list[list[int]]:
         words = list(words)
