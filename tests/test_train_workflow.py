@@ -544,3 +544,16 @@ def test_learner_threads_default_to_omp_num_threads_else_the_usable_cores(monkey
     assert available_threads() == len(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match="learner_threads must be >= 0; got -1"):
         load_config(None, ["--learner_threads", "-1"])
+
+
+def test_an_unmeasured_kind_of_work_takes_its_kins_pace_scaled_as_their_priors():
+    """Before a run's first rollout, its evaluations' measured pace prices the rollouts, scaled by what each costs
+    (an evaluation renders a quarter of the frames a rollout records); nothing measured: the prior."""
+    from kinema.train.progress import PRIORS, RunPace
+
+    pace = RunPace({"eval": 10, "rollout": 10, "sft": 100})
+    pace.add("eval", 4, 2.0)
+    assert pace.rate("eval") == 0.5
+    assert pace.rate("rollout") == pytest.approx(0.5 * PRIORS["rollout"] / PRIORS["eval"])
+    assert pace.rate("sft") == PRIORS["sft"]
+    assert pace.seconds_left() == pytest.approx(6 * 0.5 + 10 * pace.rate("rollout") + 100 * PRIORS["sft"])

@@ -19,11 +19,12 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 KINDS = ("demo", "sft", "eval", "rollout", "update")
-# Seconds per unit before the run has measured any (the default run on a 2-core CPU, 12-06: the tiny VLA, 64 px
-# cameras, 2 env workers, SFT and updates on both cores): the first minutes' estimate only. "update" is a whole
-# round's critics and actor updates, priced per actor update.
-PRIORS = {"demo": 0.3, "sft": 0.1, "eval": 0.5, "rollout": 0.6, "update": 0.17}
-SHARED = {"eval": "rollout", "rollout": "eval"}  # an evaluation episode costs about what a rollout does
+# Seconds per unit before the run has measured any (the default run on a 2-core CPU, 12-06 night: the tiny VLA,
+# 64 px cameras, 2 env workers, SFT and updates on both cores): the first minutes' estimate only. "update" is a
+# whole round's critics and actor updates, priced per actor update. An evaluation episode renders a quarter of the
+# frames a rollout records.
+PRIORS = {"demo": 0.3, "sft": 0.07, "eval": 0.27, "rollout": 0.55, "update": 0.13}
+SHARED = {"eval": "rollout", "rollout": "eval"}  # until one is measured, the other's pace stands in for it
 
 
 @dataclass
@@ -40,10 +41,11 @@ class RunPace:
         self.seconds[kind] += seconds
 
     def rate(self, kind: str) -> float:
-        """Seconds per unit: measured in this run, else measured for its kin, else the prior."""
+        """Seconds per unit: measured in this run, else its kin's measured pace scaled as their priors are, else
+        the prior."""
         for k in (kind, SHARED.get(kind)):
             if k and self.done.get(k):
-                return self.seconds[k] / self.done[k]
+                return self.seconds[k] / self.done[k] * PRIORS[kind] / PRIORS[k]
         return PRIORS[kind]
 
     def seconds_left(self) -> float:
