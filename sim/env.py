@@ -12,6 +12,7 @@ import os
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 import dataclasses
+import itertools
 import string
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -233,6 +234,7 @@ class TabletopEnv(gym.Env):
         self._video_renderer: mujoco.Renderer | None = None
         self._episode_model: tuple[np.ndarray, np.ndarray] | None = None  # what sample_episode may change, as built
         self.task = ""
+        self.target_names: dict[str, tuple[str, ...]] = {}  # template field -> every way this episode can name it
         self.steps = 0
         # False: observations carry no camera frames (state and instruction only). Rendering is most of a step's
         # cost; a vector env clears it for steps after which no policy reads the frames (sim.vector `observe`).
@@ -262,7 +264,15 @@ class TabletopEnv(gym.Env):
         draws the same random numbers, so a seed's scene is the same in every split (evaluations pair by seed)."""
         templates = self.instructions.heldout if self.instruction_split == "heldout" else self.instructions.train
         template = templates[rng.integers(len(templates))]
+        self.target_names = {field: (value,) for field, value in names.items()}
         return template.format(**(ablate(names) if self.instruction_split == "ablated" else names))
+
+    def equivalent_instructions(self) -> list[str]:
+        """Every training-template instruction that names this episode's targets (each template with each way of
+        naming each target, `target_names`): what a demonstration of this episode equally demonstrates."""
+        fields = list(self.target_names)
+        return [template.format(**dict(zip(fields, words))) for template in self.instructions.train
+                for words in itertools.product(*(self.target_names[f] for f in fields))]  # fmt: skip
 
     def target_reached(self) -> bool:
         """What the instruction names is done (the named drawer open, the named object on the named plate)."""

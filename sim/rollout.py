@@ -239,6 +239,32 @@ def collect(
     return episodes
 
 
+def equivalent_instructions(task: str, episodes: Sequence[Episode], config: TaskConfig | dict[str, Any] | None = None) -> list[list[str]]:
+    """Per episode, every training-template instruction naming its targets (`TabletopEnv.equivalent_instructions`),
+    from its seed's scene on `task` with `config`: what its demonstration equally demonstrates. A seed that does not
+    give the episode's own instruction there (other task settings, another task) is refused by name."""
+    from sim.env import TabletopEnv
+
+    env = make(task, config, cameras=())
+    try:
+        if not isinstance(env.unwrapped, TabletopEnv):
+            raise ValueError(f"{task} is not one of kinema's sim tasks: the instructions naming an episode's targets "
+                             "are known for those only")  # fmt: skip
+        out = []
+        for i, ep in enumerate(episodes):
+            if ep.seed is None:
+                raise ValueError(f"episode {i} has no seed: its scene, and so what else names its targets, cannot be rebuilt")
+            env.reset(seed=int(ep.seed))
+            if env.unwrapped.task != ep.task:
+                raise ValueError(f"episode {i} (seed {ep.seed}) was instructed {ep.task!r}, but seed {ep.seed} gives "
+                                 f"{env.unwrapped.task!r} on {task} with these task settings: it was recorded with other "
+                                 "settings (task_config, instruction split)")  # fmt: skip
+            out.append(env.unwrapped.equivalent_instructions())
+        return out
+    finally:
+        env.close()
+
+
 def collect_demos(
     task: str,
     num_episodes: int,

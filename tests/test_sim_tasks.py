@@ -217,6 +217,36 @@ def test_drawer_heldout_objects_name_a_heldout_colour():
         assert train.target_color not in HELDOUT_DRAWER_COLORS
 
 
+def test_equivalent_instructions_name_the_same_targets_in_every_training_template():
+    """A drawer is named by its place or its colour: both, in each training template, and nothing else; a task with one naming gets each template once. A seed that does not give the episode's instruction
+    (other settings) is refused."""
+    from diffusion_rl.data import Episode
+    from sim.rollout import equivalent_instructions
+    from sim.tasks.drawer import DrawerEnv
+
+    env = make("drawer", cameras=())
+    for seed in range(6):
+        env.reset(seed=seed)
+        same = env.equivalent_instructions()
+        assert env.task in same and len(same) == 2 * len(DrawerEnv.instructions.train) == len(set(same))
+        for template in DrawerEnv.instructions.train:
+            assert {template.format(which=env.which), template.format(which=env.target_color)} <= set(same)
+        assert all(env.which in text or env.target_color in text for text in same)  # no other word in the name's place
+    pick = make("pick_place", cameras=())
+    pick.reset(seed=3)
+    assert pick.task in pick.equivalent_instructions() and len(pick.equivalent_instructions()) == 3
+
+    def demo(seed: int, task: str) -> Episode:
+        return Episode(observations={"observation.state": np.zeros((2, 8), np.float32)}, action=np.zeros((2, 7)), task=task, seed=seed)
+
+    env.reset(seed=4)
+    assert equivalent_instructions("drawer", [demo(4, env.task)]) == [env.equivalent_instructions()]
+    with pytest.raises(ValueError, match=r"episode 0 \(seed 4\) was instructed 'open the door'.*recorded with other settings"):
+        equivalent_instructions("drawer", [demo(4, "open the door")])
+    with pytest.raises(ValueError, match="episode 0 has no seed"):
+        equivalent_instructions("drawer", [demo(None, env.task)])
+
+
 @pytest.mark.parametrize("variant", ["pick_place_hard", "stack_hard", "push_hard", "drawer_hard"])
 def test_hard_variants_are_harder_and_still_solvable(variant):
     from sim.tasks import VARIANTS

@@ -371,6 +371,33 @@ def test_cutting_idle_demo_steps_keeps_each_remaining_steps_weight():
         without_idle_steps([steady, wrong], None)
 
 
+def test_demo_steps_are_imitated_under_each_equivalent_instruction_of_their_episode():
+    """`with_instructions`: each sample's instruction is drawn from its own episode's list (all of them in time),
+    the same draws for the same generator; a list per episode is required."""
+    from diffusion_rl.data import Episode
+    from kinema.train.buffer import StepBuffer
+
+    def demo(task: str, n: int) -> Episode:
+        return Episode(observations={"observation.state": np.zeros((n, 8), np.float32)}, action=np.zeros((n, 7)), task=task)
+
+    buffer = StepBuffer.from_episodes([demo("open the top drawer", 3), demo("open the red drawer", 4)], [])
+    choices = [("open the top drawer", "open the blue drawer"), ("open the red drawer", "open the bottom drawer", "pull the red drawer open")]
+    relabelled = buffer.with_instructions(choices, np.random.default_rng(0))
+    seen: dict[int, set[str]] = {0: set(), 1: set()}
+    for _ in range(40):
+        index = np.arange(len(buffer))
+        for i, task in zip(index, relabelled.batch(index, 2)["task"]):
+            seen[int(buffer.episode_of_step[i])].add(task)
+    assert seen == {0: set(choices[0]), 1: set(choices[1])}
+    again = buffer.with_instructions(choices, np.random.default_rng(0))
+    assert again.batch(np.arange(7), 2)["task"] == buffer.with_instructions(choices, np.random.default_rng(0)).batch(np.arange(7), 2)["task"]
+    assert buffer.batch(np.arange(7), 2)["task"] == ["open the top drawer"] * 3 + ["open the red drawer"] * 4  # untouched
+    with pytest.raises(ValueError, match="one non-empty list of instructions per episode is needed: 2 episodes, 1 lists"):
+        buffer.with_instructions(choices[:1], np.random.default_rng(0))
+    with pytest.raises(ValueError, match="demos.instructions 'paraphrased' is not known; valid: as_collected, equivalent"):
+        load_config(None, ["--demos.instructions", "paraphrased"])
+
+
 def test_unknown_demo_weighting_and_a_non_positive_temperature_are_refused():
     with pytest.raises(ValueError, match="demos.weighting 'fastest' is not known; valid: uniform, return"):
         load_config(None, ["--demos.weighting", "fastest"])

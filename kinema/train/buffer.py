@@ -7,6 +7,7 @@ weights from the credit machinery (HABC, AWR) line up with samples by a flat ste
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,16 @@ class StepBuffer:
     outcome: np.ndarray | None = None  # per step: its episode's outcome (1 success, 0 failure)
     # per step: Recap's improvement indicator (diffusion_rl.recap), set by the method that labels the steps
     advantage: np.ndarray | None = None
+    # per episode: the instructions its steps may be imitated under, one drawn by `rng` at each use (`with_instructions`)
+    instruction_choices: list[tuple[str, ...]] | None = None
+    rng: np.random.Generator | None = None
+
+    def with_instructions(self, choices: Sequence[Sequence[str]], rng: np.random.Generator) -> StepBuffer:
+        """This buffer with each episode's steps imitated under one of `choices[episode]`, drawn at each use."""
+        if len(choices) != len(self.episode_start) or not all(choices):
+            raise ValueError(f"one non-empty list of instructions per episode is needed: {len(self.episode_start)} episodes, "
+                             f"{len(choices)} lists ({sum(not c for c in choices)} empty)")  # fmt: skip
+        return dataclasses.replace(self, instruction_choices=[tuple(c) for c in choices], rng=rng)
 
     def imitable_index(self) -> np.ndarray:
         return np.arange(len(self)) if self.imitable is None else np.flatnonzero(self.imitable)
@@ -107,7 +118,10 @@ class StepBuffer:
             f"observation.images.{cam}": torch.from_numpy(images[index]).to(device) for cam, images in self.images.items()
         }
         out["observation.state"] = torch.from_numpy(self.state[index]).to(device)
-        out["task"] = [self.task[i] for i in index]
+        if self.instruction_choices is not None:
+            out["task"] = [self.instruction_choices[e][self.rng.integers(len(self.instruction_choices[e]))] for e in ep]
+        else:
+            out["task"] = [self.task[i] for i in index]
         out["action"] = torch.from_numpy(self.action[flat]).to(device)
         out["action_is_pad"] = torch.from_numpy(is_pad).to(device)
         if self.aux is not None:

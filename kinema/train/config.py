@@ -24,6 +24,7 @@ from sim.experts import OPERATORS
 
 DEMO_WEIGHTINGS = ("uniform", "return")
 DEMO_IDLE = ("keep", "drop")
+DEMO_INSTRUCTIONS = ("as_collected", "equivalent")
 
 
 @dataclass
@@ -40,6 +41,10 @@ class DemoConfig:
     # The demos' idle steps (the arm neither moves nor changes its grip: a teleoperator's pauses): keep | drop (cut out
     # before training, HELP's idle rule on the demos, as VLA data pipelines drop no-op actions; ours)
     idle: str = "keep"
+    # Which instruction each demo step is imitated under: as_collected | equivalent (ours: at each use, one drawn from
+    # every training-template instruction naming the episode's targets -- its template and its naming, e.g. the
+    # drawer by place or by colour -- regenerated from the episode's seed; a sim task's demos only)
+    instructions: str = "as_collected"
 
 
 @dataclass
@@ -414,6 +419,8 @@ class TrainConfig:
             raise ValueError(f"demos.weighting {self.demos.weighting!r} is not known; valid: {', '.join(DEMO_WEIGHTINGS)}")
         if self.demos.idle not in DEMO_IDLE:
             raise ValueError(f"demos.idle {self.demos.idle!r} is not known; valid: {', '.join(DEMO_IDLE)}")
+        if self.demos.instructions not in DEMO_INSTRUCTIONS:
+            raise ValueError(f"demos.instructions {self.demos.instructions!r} is not known; valid: {', '.join(DEMO_INSTRUCTIONS)}")
         if self.demos.temperature <= 0:
             raise ValueError(f"demos.temperature is in steps and must be > 0; got {self.demos.temperature}")
         if self.demos.source not in OPERATORS:

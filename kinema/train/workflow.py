@@ -51,7 +51,7 @@ from policies import load_policy
 from policies.checkpoint import METHOD_FILE, load_checkpoint_config, set_aside
 from sim.env import CAMERAS
 from sim.experts import ExpertConfig
-from sim.rollout import collect_demos
+from sim.rollout import collect_demos, equivalent_instructions
 from sim.tasks import SplitNotApplicable, check_task, has_expert
 
 
@@ -223,6 +223,10 @@ def _train(
     if cfg.demos.idle == "drop":
         demos, demo_weights, weighting["idle_steps_dropped"] = without_idle_steps(demos, demo_weights)
     demo_buffer = StepBuffer.from_episodes(demos, cameras, image_size=cfg.policy.image_size)
+    if cfg.demos.instructions == "equivalent":
+        choices = equivalent_instructions(cfg.task, demos, cfg.task_config or None)
+        demo_buffer = demo_buffer.with_instructions(choices, np.random.default_rng([cfg.seed, 23]))
+        console.print(f"demonstrations imitated under {np.mean([len(c) for c in choices]):.1f} equivalent instructions each")
     run.log({"kind": "demos", "episodes": len(demos), "steps": len(demo_buffer), "success": demo_success,
              "steps_to_success": demo_steps, **weighting})  # fmt: skip
 

@@ -102,7 +102,9 @@ class DrawerEnv(TabletopEnv):
                 self.set_color(slot.geom, color)
         # With held-out objects the drawer is always named by its (held-out) colour, so the split tests colours.
         by_colour = self.object_split == "heldout" or rng.random() < 0.5
-        return self.instruction(rng, which=target_color if by_colour else self.which)
+        instruction = self.instruction(rng, which=target_color if by_colour else self.which)
+        self.target_names = {"which": (self.which, target_color)}  # its place and its colour name the same drawer
+        return instruction
 
     def drawer_opening(self, which: str | None = None) -> float:
         return float(self.data.qpos[self.joint_adr[which or self.which]])
