@@ -177,7 +177,7 @@ def _train(
     demo_dir = run.root / "demos"
     demo_seeds = range(cfg.seed * 10_000, cfg.seed * 10_000 + cfg.demos.episodes)
     demo_options = dataclasses.asdict(cfg.demos)
-    for key in ("weighting", "temperature", "idle"):  # how the demos are drawn, not how they were collected
+    for key in ("weighting", "temperature", "idle", "instructions"):  # how the demos are drawn, not how they were collected
         del demo_options[key]
     if demo_options["source"] == "scripted":  # as runs from before demos.source recorded their settings
         del demo_options["source"]
