@@ -33,6 +33,10 @@ class HashTokenizer:
         self._cache: dict[str, list[list[int]]] = {}
         self._rows: dict[str, Tensor] = {}  # each instruction's (max_words, ngrams) ids, built once
 
+    def __getstate__(self) -> dict:
+        """Pickled (a policy sent to rollout workers) without its caches: they are rebuilt on use."""
+        return {**self.__dict__, "_cache": {}, "_rows": {}}
+
     def words(self, text: str) -> list[list[int]]:
         if text not in self._cache:
             words = _WORD.findall(text.lower())[: self.max_words] or [""]
