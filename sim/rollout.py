@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from diffusion_rl.data import IMAGE_PREFIX, Episode, ExecutedBy
-from sim.env import CONTROL_HZ, TaskConfig
+from sim.env import CONTROL_HZ, TabletopEnv, TaskConfig
 from sim.experts import ExpertConfig
 from sim.monitor import DemoWrapper, MonitorConfig, SimulatedHuman
 from sim.tasks import has_expert, make
@@ -243,8 +243,6 @@ def equivalent_instructions(task: str, episodes: Sequence[Episode], config: Task
     """Per episode, every training-template instruction naming its targets (`TabletopEnv.equivalent_instructions`),
     from its seed's scene on `task` with `config`: what its demonstration equally demonstrates. A seed that does not
     give the episode's own instruction there (other task settings, another task) is refused by name."""
-    from sim.env import TabletopEnv
-
     env = make(task, config, cameras=())
     try:
         if not isinstance(env.unwrapped, TabletopEnv):
