@@ -4,13 +4,17 @@ A pick_place cube (4 cm, three to four pixels wide at 64 px) is put at random pl
 the agentview camera; each encoder (with a linear head, no instruction) is trained to regress the cube's pixel
 position, computed from the camera's pose, and is scored on frames it never saw. The spatial softmax keeps *where*;
 the stride-4 patchify puts the cube inside one patch, and from few frames memorises them instead (benchmarks/RESULTS.md
-has both budgets).
+has both budgets). `--named` asks what the policy must do at full difficulty: find the object the instruction names
+among a distractor and two plates, the instruction read by the VLA's word encoder and fed to the convs (FiLM).
 
     python benchmarks/localisation_probe.py            # 2048 training frames, 2000 steps per encoder
     python benchmarks/localisation_probe.py --quick    # 512 frames, 800 steps: under a minute
 
+    python benchmarks/localisation_probe.py --named    # the named object among two, read from the instruction
+
 Last line: one JSON object, per encoder the held-out median and mean error in pixels (and the training error), and
-patchify_over_spatial_softmax, the ratio of their held-out median errors.
+patchify_over_best, patchify's held-out median error over the best encoder's. `patchify_grounded` runs twice: read by a
+linear head like the others, and `patchify_grounded_direct`, its first keypoint trained to classify the labelled cell.
 """
 
 from __future__ import annotations
@@ -24,18 +28,25 @@ import mujoco
 import numpy as np
 import torch
 
-ENCODERS = ("patchify", "spatial_softmax")
+ENCODERS = ("patchify", "spatial_softmax", "patchify_grounded")
+
+
+def pixel_position(env, body: str, camera: str, image_size: int) -> list[float]:
+    """A body's centre in `camera`'s image, (column, row) in pixels, from the camera's pose and field of view."""
+    cam = env.model.camera(camera).id
+    focal = (image_size / 2) / np.tan(np.deg2rad(env.model.cam_fovy[cam]) / 2)
+    world = env.data.xpos[env.model.body(body).id]
+    x, y, z = env.data.cam_xmat[cam].reshape(3, 3).T @ (world - env.data.cam_xpos[cam])  # camera looks along -z
+    return [image_size / 2 + focal * x / -z, image_size / 2 - focal * y / -z]
 
 
 def cube_frames(n: int, seed: int, *, image_size: int = 64) -> tuple[np.ndarray, np.ndarray]:
     """`n` agentview frames (n, H, W, 3) of pick_place's one cube at random table positions and yaws, and its
-    centre's pixel position (n, 2) as (column, row) from the camera's pose and field of view."""
+    centre's pixel position (n, 2) as (column, row)."""
     from sim.tasks import make
 
     env = make("pick_place", {"num_distractors": 0}, image_size=image_size)
     rng = np.random.default_rng(seed)
-    cam = env.model.camera("agentview").id
-    focal = (image_size / 2) / np.tan(np.deg2rad(env.model.cam_fovy[cam]) / 2)
     images, pixels = [], []
     for _ in range(n):
         obs, _ = env.reset(seed=int(rng.integers(1 << 30)))
@@ -43,42 +54,86 @@ def cube_frames(n: int, seed: int, *, image_size: int = 64) -> tuple[np.ndarray,
         env.set_free_body(env.target.body, np.array([*xy, 0.02]), rng.uniform(-0.4, 0.4))
         mujoco.mj_forward(env.model, env.data)
         images.append(env._observation()["observation.images.agentview"])
-        world = env.data.xpos[env.model.body(env.target.body).id]
-        x, y, z = env.data.cam_xmat[cam].reshape(3, 3).T @ (world - env.data.cam_xpos[cam])  # camera looks along -z
-        pixels.append([image_size / 2 + focal * x / -z, image_size / 2 - focal * y / -z])
+        pixels.append(pixel_position(env, env.target.body, "agentview", image_size))
     env.close()
     return np.stack(images), np.asarray(pixels, np.float32)
 
 
-def probe(encoder: str, train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray], *, steps: int,
-          batch_size: int = 32, lr: float = 1e-3, seed: int = 0, **config) -> dict[str, float]:  # fmt: skip
+def named_object_frames(n: int, seed: int, *, image_size: int = 64) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """`n` first agentview frames of pick_place at full difficulty (the named object, one distractor, two plates,
+    random colours, shapes and yaws), the named object's pixel position (n, 2) and the instructions: finding it takes
+    reading which object the instruction names."""
+    from sim.tasks import make
+
+    env = make("pick_place", image_size=image_size)
+    rng = np.random.default_rng(seed)
+    images, pixels, instructions = [], [], []
+    for _ in range(n):
+        obs, _ = env.reset(seed=int(rng.integers(1 << 30)))
+        images.append(obs["observation.images.agentview"])
+        pixels.append(pixel_position(env, env.target.body, "agentview", image_size))
+        instructions.append(obs["task"])
+    env.close()
+    return np.stack(images), np.asarray(pixels, np.float32), instructions
+
+
+def probe(encoder: str, train: tuple, test: tuple, *, steps: int, batch_size: int = 32, lr: float = 1e-3, seed: int = 0,
+          direct: bool = False, **config) -> dict[str, float]:  # fmt: skip
     """Train `encoder` (a VLAConfig.vision_encoder, with `config` overrides) and a linear head to regress the pixel
-    position; its errors in pixels on `test` (median, mean) and on the last training batches (rms)."""
+    position; its errors in pixels on `test` (median, mean) and on the last training batches (rms). `train` and `test`
+    are (frames, pixels) or, for a named object, (frames, pixels, instructions): the VLA's word encoder then reads the
+    instruction and modulates the convs (FiLM), as in the policy. An encoder with keypoints is read through its
+    coordinates alone (as `aux_input="keypoints"` reads them); `direct`: its first keypoint *is* the prediction, with
+    no head in between, its cells trained to classify the one that holds the label (`InstructionLocator.cell_of`)."""
     from policies.vla.configuration_vla import VLAConfig
     from policies.vla.modeling_vla import VISION_ENCODERS
+    from policies.vla.text import HashTokenizer, TextEncoder
 
     torch.manual_seed(seed)
     size = train[0].shape[1]
     cfg = VLAConfig(vision_encoder=encoder, image_size=size, **config)
-    net, head = VISION_ENCODERS[encoder](cfg), torch.nn.Linear(cfg.vision_dim, 2)
-    opt = torch.optim.Adam([*net.parameters(), *head.parameters()], lr)
-    images = {k: torch.as_tensor(x).permute(0, 3, 1, 2).float() / 255 for k, (x, _) in (("train", train), ("test", test))}
-    targets = {k: torch.as_tensor(y) for k, (_, y) in (("train", train), ("test", test))}
-    text = torch.zeros(1, cfg.text_dim)  # no instruction: FiLM starts as the identity
+    net = VISION_ENCODERS[encoder](cfg)
+    if direct and not hasattr(net, "locator"):
+        raise ValueError(f"direct supervision needs an encoder with an instruction locator; {encoder!r} has none")
+    head = (lambda c: c[:, :2]) if direct else torch.nn.Linear(net.where_dim or cfg.vision_dim, 2)
+    named = len(train) == 3
+    words = TextEncoder(cfg.ngram_buckets, cfg.text_dim, cfg.text_layers, cfg.max_words) if named else None
+    tokenizer = HashTokenizer(cfg.ngram_buckets, cfg.max_words)
+    opt = torch.optim.Adam([*net.parameters(), *([] if direct else head.parameters()), *(words.parameters() if named else ())], lr)
+    images = {k: torch.as_tensor(d[0]).permute(0, 3, 1, 2).float() / 255 for k, d in (("train", train), ("test", test))}
+    targets = {k: torch.as_tensor(d[1]) for k, d in (("train", train), ("test", test))}
+    texts = {k: d[2] if named else None for k, d in (("train", train), ("test", test))}
 
-    def predict(x: torch.Tensor) -> torch.Tensor:
-        return head(net(x, text.expand(len(x), -1))) * (size / 2) + size / 2
+    def instruction(split: str, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pooled, per-word features, mask) of the frames' instructions."""
+        if named:
+            ids, mask = tokenizer([texts[split][i] for i in idx.tolist()])
+            per_word, text = words(ids, mask)
+            return text, per_word, mask
+        # no instruction: FiLM starts as the identity, and a grounded encoder's one "word" is blank
+        return torch.zeros(len(idx), cfg.text_dim), torch.zeros(len(idx), 1, cfg.text_dim), torch.ones(len(idx), 1, dtype=torch.bool)
+
+    def predict(split: str, idx: torch.Tensor) -> torch.Tensor:
+        features = net(images[split][idx], *instruction(split, idx))
+        return head(features[:, features.shape[1] - net.where_dim :] if net.where_dim else features) * (size / 2) + size / 2
+
+    def cell_loss(idx: torch.Tensor) -> torch.Tensor:  # direct: the first keypoint classifies the labelled cell
+        _, per_word, mask = instruction("train", idx)
+        logits = net.locator.logits(net.inputs(images["train"][idx]), per_word, mask)[:, 0]
+        return torch.nn.functional.cross_entropy(logits, net.locator.cell_of(targets["train"][idx], size))
 
     losses = []
     for _ in range(steps):
         idx = torch.randint(len(images["train"]), (batch_size,))
-        loss = (predict(images["train"][idx]) - targets["train"][idx]).pow(2).sum(-1).mean()
+        error = (predict("train", idx) - targets["train"][idx]).pow(2).sum(-1).mean()
+        loss = cell_loss(idx) if direct else error
+        error = error.detach()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        losses.append(error.item())
     with torch.no_grad():
-        err = (predict(images["test"]) - targets["test"]).norm(dim=-1)
+        err = (predict("test", torch.arange(len(images["test"]))) - targets["test"]).norm(dim=-1)
     return {"test_median_px": round(float(err.median()), 3), "test_mean_px": round(float(err.mean()), 3),
             "train_rms_px": round(float(np.sqrt(np.mean(losses[-50:]))), 3)}  # fmt: skip
 
@@ -89,20 +144,32 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--named", action="store_true",
+                        help="the named object among a distractor and two plates, the instruction read through FiLM")
+    parser.add_argument("--encoders", default=",".join(ENCODERS), help=f"comma-separated, of {', '.join(ENCODERS)}")
     args = parser.parse_args()
     if args.quick:
         args.frames, args.steps = 512, 800
+    encoders = args.encoders.split(",")
+    if unknown := set(encoders) - set(ENCODERS):
+        parser.error(f"--encoders: unknown {sorted(unknown)}; expected some of {', '.join(ENCODERS)}")
     os.environ.setdefault("MUJOCO_GL", "egl")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     start = time.time()
-    train, test = cube_frames(args.frames, 0, image_size=args.image_size), cube_frames(256, 1, image_size=args.image_size)
-    out: dict = {"frames": args.frames, "steps": args.steps, "image_size": args.image_size,
+    frames = named_object_frames if args.named else cube_frames
+    train, test = frames(args.frames, 0, image_size=args.image_size), frames(256, 1, image_size=args.image_size)
+    out: dict = {"frames": args.frames, "steps": args.steps, "image_size": args.image_size, "named": args.named,
                  "label_spread_px": round(float(test[1].std(0).mean()), 2)}  # fmt: skip
-    for encoder in ENCODERS:
+    # Each encoder read by a linear head; the grounded one also with its first keypoint's cells classified directly.
+    arms = [(e, e, False) for e in encoders] + [("patchify_grounded_direct", "patchify_grounded", True)] * ("patchify_grounded" in encoders)
+    for name, encoder, direct in arms:
         t = time.time()
-        out[encoder] = probe(encoder, train, test, steps=args.steps) | {"seconds": round(time.time() - t, 1)}
-        print(encoder, out[encoder], flush=True)
-    out["patchify_over_spatial_softmax"] = round(out["patchify"]["test_median_px"] / out["spatial_softmax"]["test_median_px"], 2)
+        out[name] = probe(encoder, train, test, steps=args.steps, direct=direct) | {"seconds": round(time.time() - t, 1)}
+        print(name, out[name], flush=True)
+    best = min((name for name, _, _ in arms), key=lambda e: out[e]["test_median_px"])
+    if "patchify" in encoders and best != "patchify":
+        out["patchify_over_best"] = round(out["patchify"]["test_median_px"] / out[best]["test_median_px"], 2)
+        out["best"] = best
     out["seconds"] = round(time.time() - start, 1)
     print(json.dumps(out))
 

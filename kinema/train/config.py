@@ -202,9 +202,11 @@ class VLAOptions(PolicyOptions):
     backbone_image_size: int = 0  # side its vision tower sees; 0: native (512 for SmolVLM); smaller is much cheaper on CPU
     lora_rank: int = 8  # LoRA rank on the backbone's text model (0: frozen backbone, heads only)
     freeze_vision: bool = True  # False: LoRA on the vision tower too
-    aux_input: str = "fused"  # what the privileged-position head reads: "fused" (+ state) | "perception" (images + text only)
-    vision_encoder: str = "patchify"  # "patchify" (stride-4 first conv) | "spatial_softmax" (full resolution, keypoints)
-    keypoints: int = 32  # spatial_softmax: (x, y) keypoints per camera
+    # what the privileged-position head reads: "fused" (+ state) | "perception" (images + text only) | "keypoints"
+    aux_input: str = "fused"
+    # "patchify" (stride-4 first conv) | "spatial_softmax" (full resolution, keypoints) | "patchify_grounded" (+ where the words' objects are)
+    vision_encoder: str = "patchify"
+    keypoints: int = 32  # spatial_softmax, patchify_grounded: (x, y) keypoints per camera
     state_dropout: float = 0.0  # probability of hiding the end-effector pose from the policy per training sample
     augment_shift: int = 4  # random-shift augmentation in training (pixels); 0 disables
     text_position_jitter: bool = False  # instructions start at a random word position in training (tiny backbone)

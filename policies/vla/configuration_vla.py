@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FORMAT_VERSION = 1
+VISION_ENCODER_NAMES = ("patchify", "spatial_softmax", "patchify_grounded")
 
 
 @dataclass
@@ -30,11 +31,13 @@ class VLAConfig:
     # a checkpoint acts as it was evaluated; rollouts and evaluations pass noise of their own.
     inference_noise_scale: float = 1.0
     time_distribution: str = "beta"  # flow time sampling in training: "beta" (pi0), "uniform", "logit_normal"
-    # How each camera is encoded: "patchify" (a stride-4 4x4 conv first, features flattened at image_size / 8) or
-    # "spatial_softmax" (overlapping 3x3 convs down to image_size / 4, then `keypoints` expected image coordinates).
+    # How each camera is encoded: "patchify" (a stride-4 4x4 conv first, features flattened at image_size / 8),
+    # "spatial_softmax" (overlapping 3x3 convs down to image_size / 4, then `keypoints` expected image coordinates), or
+    # "patchify_grounded" (patchify's features and, beside them, `keypoints` expected coordinates of cells scored against
+    # the instruction's words: where the named object and the plate are; modeling_vla.InstructionLocator).
     vision_encoder: str = "patchify"
     vision_channels: tuple[int, ...] = (32, 64, 64)  # conv widths
-    keypoints: int = 32  # spatial_softmax: attention maps, each giving one (x, y)
+    keypoints: int = 32  # spatial_softmax, patchify_grounded: attention maps, each giving one (x, y)
     vision_dim: int = 256  # per-camera feature size
     text_dim: int = 64  # width of the word encoder
     text_layers: int = 1  # transformer layers over words
@@ -50,6 +53,8 @@ class VLAConfig:
     # read the target off the arm's heading (the expert goes straight for it) and stayed 12 cm off on fresh layouts.
     # "perception": camera + instruction features only; measured on full pick_place (1500 demos, 6000 SFT steps,
     # 100 episodes): 6 % against 5 % with "fused" -- no success gain yet, so "fused" stays the default.
+    # "keypoints" (patchify_grounded only): the head reads the keypoint coordinates alone, so its loss teaches the
+    # attention maps where the named object and the plate are.
     aux_input: str = "fused"
     state_dropout: float = 0.0  # training only: per-sample probability of zeroing the normalised EE pose (state[:7])
     augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables
@@ -91,16 +96,19 @@ class VLAConfig:
             )
         if self.image_size % 8 != 0 or self.image_size < 32:
             raise ValueError(f"VLAConfig.image_size must be a multiple of 8 and >= 32; got {self.image_size}")
-        if self.vision_encoder not in ("patchify", "spatial_softmax"):
-            raise ValueError(f"VLAConfig.vision_encoder must be 'patchify' or 'spatial_softmax'; got {self.vision_encoder!r}")
+        if self.vision_encoder not in VISION_ENCODER_NAMES:
+            raise ValueError(f"VLAConfig.vision_encoder must be one of {', '.join(map(repr, VISION_ENCODER_NAMES))}; got {self.vision_encoder!r}")
         if self.keypoints < 1:
             raise ValueError(f"VLAConfig.keypoints must be >= 1; got {self.keypoints}")
         if self.time_distribution not in ("beta", "uniform", "logit_normal"):
             raise ValueError(
                 f"VLAConfig.time_distribution must be 'beta', 'uniform' or 'logit_normal'; got {self.time_distribution!r}"
             )
-        if self.aux_input not in ("perception", "fused"):
-            raise ValueError(f"VLAConfig.aux_input must be 'perception' or 'fused'; got {self.aux_input!r}")
+        if self.aux_input not in ("perception", "fused", "keypoints"):
+            raise ValueError(f"VLAConfig.aux_input must be 'perception', 'fused' or 'keypoints'; got {self.aux_input!r}")
+        if self.aux_input == "keypoints" and (self.vision_encoder != "patchify_grounded" or self.backbone != "tiny"):
+            raise ValueError("VLAConfig.aux_input 'keypoints' reads the keypoints of vision_encoder 'patchify_grounded' "
+                             f"(tiny backbone); got vision_encoder {self.vision_encoder!r}, backbone {self.backbone!r}")
         if not 0.0 <= self.state_dropout < 1.0:
             raise ValueError(f"VLAConfig.state_dropout must be in [0, 1); got {self.state_dropout}")
         if not 0.0 <= self.text_filler_words <= 1.0:

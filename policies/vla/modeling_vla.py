@@ -72,8 +72,15 @@ class FiLMConvStack(nn.Module):
         ys, xs = torch.meshgrid(torch.linspace(-1, 1, config.image_size), torch.linspace(-1, 1, config.image_size), indexing="ij")
         self.register_buffer("coords", torch.stack([xs, ys])[None], persistent=False)
 
+    # Trailing coordinate features of `forward`'s output (expected image (x, y) of attention maps), 0: none.
+    where_dim = 0
+
+    def inputs(self, image: Tensor) -> Tensor:
+        """RGB in [-1, 1] and the two coordinate channels."""
+        return torch.cat([image * 2 - 1, self.coords.expand(image.shape[0], -1, -1, -1)], dim=1)
+
     def feature_map(self, image: Tensor, text: Tensor) -> Tensor:
-        x = torch.cat([image * 2 - 1, self.coords.expand(image.shape[0], -1, -1, -1)], dim=1)
+        x = self.inputs(image)
         for conv, norm, film in zip(self.convs, self.norms, self.films):
             gamma, beta = film(text).chunk(2, dim=-1)
             x = F.gelu(norm(conv(x)) * (1 + gamma[..., None, None]) + beta[..., None, None])
@@ -89,8 +96,19 @@ class FiLMConvEncoder(FiLMConvStack):
         side = config.image_size // 8
         self.project = nn.Sequential(nn.Flatten(), nn.Linear(config.vision_channels[-1] * side * side, config.vision_dim), nn.GELU())
 
-    def forward(self, image: Tensor, text: Tensor) -> Tensor:
+    def forward(self, image: Tensor, text: Tensor, words: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         return self.project(self.feature_map(image, text))
+
+
+def expected_coordinates(logits: Tensor, grid: Tensor) -> Tensor:
+    """Spatial softmax: attention maps (B, K, H, W) -> each map's expected image coordinates (B, 2K), in [-1, 1]."""
+    return (logits.flatten(2).softmax(dim=-1) @ grid).flatten(1)
+
+
+def coordinate_grid(side: int) -> Tensor:
+    """(side * side, 2) cell centres as (x, y) in [-1, 1], row-major as `flatten` lays out a map."""
+    line = torch.linspace(-1, 1, side)
+    return torch.stack(torch.meshgrid(line, line, indexing="xy"), -1).reshape(-1, 2)
 
 
 class SpatialSoftmaxEncoder(FiLMConvStack):
@@ -104,15 +122,71 @@ class SpatialSoftmaxEncoder(FiLMConvStack):
         super().__init__(config, [(3, 2 if i < 2 else 1, 1) for i in range(n)])
         self.keypoints = nn.Conv2d(config.vision_channels[-1], config.keypoints, 1)
         self.project = nn.Sequential(nn.Linear(2 * config.keypoints, config.vision_dim), nn.GELU())
-        grid = torch.linspace(-1, 1, config.image_size // 2 ** min(2, n))
-        self.register_buffer("grid", torch.stack(torch.meshgrid(grid, grid, indexing="xy"), -1).reshape(-1, 2), persistent=False)
+        self.register_buffer("grid", coordinate_grid(config.image_size // 2 ** min(2, n)), persistent=False)
 
-    def forward(self, image: Tensor, text: Tensor) -> Tensor:
-        attention = self.keypoints(self.feature_map(image, text)).flatten(2).softmax(dim=-1)  # (B, K, side*side)
-        return self.project((attention @ self.grid).flatten(1))  # expected (x, y) of each keypoint
+    def forward(self, image: Tensor, text: Tensor, words: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        return self.project(expected_coordinates(self.keypoints(self.feature_map(image, text)), self.grid))
 
 
-VISION_ENCODERS = {"patchify": FiLMConvEncoder, "spatial_softmax": SpatialSoftmaxEncoder}
+class InstructionLocator(nn.Module):
+    """Where the instruction's objects are in one camera's image. Each of `keypoints` learned role vectors attends
+    over the instruction's words (the words naming the object, or the plate), the attended words become a query that
+    scores every cell of a small conv map at image_size / 4 (overlapping 3x3 convs, so a 3-pixel cube is not cut by a
+    patch border), and the softmax over cells gives the query's expected (x, y). Scoring cells against words is what
+    grounds: trained as a classification of the cell that holds the named object (`cell_of`), it finds it among two
+    to under 2 px within a few hundred steps, where FiLM-modulated keypoints never did; regressing its coordinates
+    plateaus, and through a learned head it does not learn (benchmarks/localisation_probe.py --named)."""
+
+    def __init__(self, config: VLAConfig) -> None:
+        super().__init__()
+        width = config.vision_channels[0]
+        self.stem = nn.Sequential(
+            nn.Conv2d(5, width, 3, 2, 1), nn.GroupNorm(min(8, width), width), nn.GELU(),
+            nn.Conv2d(width, width, 3, 2, 1), nn.GroupNorm(min(8, width), width), nn.GELU(),
+        )  # fmt: skip
+        self.keys = nn.Conv2d(width, width, 1)
+        self.roles = nn.Parameter(torch.randn(config.keypoints, config.text_dim) * 0.1)
+        self.query = nn.Linear(config.text_dim, width)
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+        self.register_buffer("grid", coordinate_grid(config.image_size // 4), persistent=False)
+
+    def logits(self, inputs: Tensor, words: Tensor, mask: Tensor) -> Tensor:
+        """`inputs` (B, 5, H, W): RGB and coordinates; `words` (B, W, D) and `mask` (B, W) from the word encoder.
+        Returns each keypoint's score of every cell (B, keypoints, cells), cells row-major at image_size / 4."""
+        keys = self.keys(self.stem(inputs)).flatten(2)  # (B, width, cells)
+        reading = torch.einsum("qd,bwd->bqw", self.roles, words).masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+        queries = self.query(reading @ words)  # (B, keypoints, width)
+        return (queries @ keys) * (self.temperature * 4 / math.sqrt(keys.shape[1]))
+
+    def forward(self, inputs: Tensor, words: Tensor, mask: Tensor) -> Tensor:
+        """(B, 2 * keypoints) expected coordinates in [-1, 1]."""
+        return expected_coordinates(self.logits(inputs, words, mask), self.grid)
+
+    def cell_of(self, pixels: Tensor, image_size: int) -> Tensor:
+        """The cell (row-major index) holding each (column, row) pixel position: a keypoint's class label."""
+        side = int(math.isqrt(self.grid.shape[0]))
+        cell = (pixels / image_size * side).long().clamp(0, side - 1)
+        return cell[..., 1] * side + cell[..., 0]
+
+
+class GroundedPatchifyEncoder(FiLMConvEncoder):
+    """The patchify encoder's features (*what*), followed by an `InstructionLocator`'s coordinates (*where* the
+    named things are). The coordinates stay raw at the end of the output (`where_dim` of them), so that
+    `aux_input="keypoints"` can make the privileged-position head read them alone. Experimental: through that head
+    the locator has not yet learned to point in a policy (benchmarks/RESULTS.md, 2026-12-07)."""
+
+    def __init__(self, config: VLAConfig) -> None:
+        super().__init__(config)
+        self.locator = InstructionLocator(config)
+        self.where_dim = 2 * config.keypoints
+
+    def forward(self, image: Tensor, text: Tensor, words: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        if words is None or mask is None:
+            raise ValueError("the patchify_grounded encoder reads the instruction's words: pass words and mask")
+        return torch.cat([self.project(self.feature_map(image, text)), self.locator(self.inputs(image), words, mask)], dim=-1)
+
+
+VISION_ENCODERS = {"patchify": FiLMConvEncoder, "spatial_softmax": SpatialSoftmaxEncoder, "patchify_grounded": GroundedPatchifyEncoder}
 
 
 class SinusoidalTime(nn.Module):
@@ -198,14 +272,17 @@ class VLAPolicy(ChunkedActing, nn.Module):
             self.text = TextEncoder(config.ngram_buckets, config.text_dim, config.text_layers, config.max_words)
             self.vision = nn.ModuleDict({cam: VISION_ENCODERS[config.vision_encoder](config) for cam in config.cameras})
             self.state_mlp = nn.Sequential(nn.Linear(config.state_dim, config.state_hidden), nn.GELU())
-            fused = config.vision_dim * len(config.cameras) + config.text_dim + config.state_hidden
+            self.where_dim = sum(encoder.where_dim for encoder in self.vision.values())
+            fused = config.vision_dim * len(config.cameras) + self.where_dim + config.text_dim + config.state_hidden
             self.fuse = nn.Sequential(
                 nn.Linear(fused, config.hidden_dim), nn.GELU(), nn.Linear(config.hidden_dim, config.hidden_dim), nn.GELU()
             )
         self.expert = ActionExpert(config)
         aux_in = config.hidden_dim
         if self.prefix is None and config.aux_input == "perception":
-            aux_in = config.vision_dim * len(config.cameras) + config.text_dim
+            aux_in = config.vision_dim * len(config.cameras) + self.where_dim + config.text_dim
+        elif self.prefix is None and config.aux_input == "keypoints":
+            aux_in = self.where_dim
         self.aux_head = (
             nn.Sequential(nn.Linear(aux_in, config.hidden_dim), nn.GELU(), nn.Linear(config.hidden_dim, config.aux_dim))
             if config.aux_dim
@@ -244,7 +321,8 @@ class VLAPolicy(ChunkedActing, nn.Module):
 
     def encode(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
         """(fused feature, what the aux head reads): the camera + instruction features without the state
-        (`aux_input="perception"`), or the fused feature itself ("fused", and always with a VLM prefix)."""
+        (`aux_input="perception"`), the cameras' keypoint coordinates alone ("keypoints"), or the fused feature itself
+        ("fused", and always with a VLM prefix)."""
         state = (torch.as_tensor(batch["observation.state"], device=self.device, dtype=torch.float32) - self.state_mean) / self.state_std
         if self.training and self.config.state_dropout:
             # Hide the end-effector pose (keep the gripper): the action head must find the target in the images
@@ -258,9 +336,12 @@ class VLAPolicy(ChunkedActing, nn.Module):
             return context, context
         # Word-order augmentations of the instruction, in training only (off by default: VLAConfig).
         ids, mask = self.tokenizer(list(batch["task"]), self.device, filler_words=self.config.text_filler_words if self.training else 0.0)
-        _, text = self.text(ids, mask, jitter_positions=self.training and self.config.text_position_jitter)
-        perception = torch.cat([*(self.vision[cam](self._image(batch, cam), text) for cam in self.config.cameras), text], dim=-1)
+        words, text = self.text(ids, mask, jitter_positions=self.training and self.config.text_position_jitter)
+        cameras = [self.vision[cam](self._image(batch, cam), text, words, mask) for cam in self.config.cameras]
+        perception = torch.cat([*cameras, text], dim=-1)
         context = self.fuse(torch.cat([perception, self.state_mlp(state)], dim=-1))
+        if self.config.aux_input == "keypoints":
+            return context, torch.cat([f[:, f.shape[1] - self.vision[cam].where_dim :] for cam, f in zip(self.config.cameras, cameras)], dim=-1)
         return context, (perception if self.config.aux_input == "perception" else context)
 
     # ----- training ------------------------------------------------------------------------------------------------
