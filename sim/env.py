@@ -378,8 +378,33 @@ class TabletopEnv(gym.Env):
         return obs
 
     def _info(self, success: bool) -> dict[str, Any]:
-        return {"is_success": bool(success), "wrong_target": self.wrong_target(), "privileged": self.privileged(),
+        return {"is_success": bool(success), "wrong_target": self.wrong_target(), "privileged": self.privileged_with_pixels(),
                 "progress": self.progress()}
+
+    def privileged_with_pixels(self) -> dict[str, np.ndarray]:
+        """`privileged()` and where the named target (and the goal, where the task has a place as goal: `goal_pos`)
+        appears in each policy camera's image, (cameras, 2): the labels that teach a policy to find what the
+        instruction names (`image_positions`)."""
+        privileged = self.privileged()
+        if self.cameras and "privileged.target_pos" in privileged:
+            privileged["privileged.target_pixels"] = self.image_positions(privileged["privileged.target_pos"][None])[:, 0]
+            if hasattr(self, "goal_pos"):
+                privileged["privileged.goal_pixels"] = self.image_positions(np.asarray(self.goal_pos())[None])[:, 0]
+        return privileged
+
+    def image_positions(self, points: np.ndarray) -> np.ndarray:
+        """World points (N, 3) in each policy camera's image: (cameras, N, 2) as (x, y) in [-1, 1], the encoders'
+        convention (-1 the left column and the top row); a point behind a camera is at (2, 2), out of view."""
+        h, w = self.image_hw
+        out = np.full((len(self.cameras), len(points), 2), 2.0, np.float32)
+        for i, cam in enumerate(self.cameras):
+            cid = self.model.camera(cam).id
+            local = (np.asarray(points) - self.data.cam_xpos[cid]) @ self.data.cam_xmat[cid].reshape(3, 3)
+            ahead = local[:, 2] < 0  # a MuJoCo camera looks along its -z
+            focal = 1 / np.tan(np.deg2rad(self.model.cam_fovy[cid]) / 2)  # fovy is vertical; pixels are square
+            xy = focal * local[:, :2] / -local[:, 2:3] * np.array([h / w, -1.0])
+            out[i, ahead] = xy[ahead]
+        return out
 
     # ----- helpers for task subclasses -----------------------------------------------------------------------------
     def sample_layout(self, rng: np.random.Generator, n: int, *, radius: float | None = None) -> np.ndarray:

@@ -357,3 +357,32 @@ def test_the_ablated_split_names_no_target_in_the_scenes_the_training_split_show
         assert max(len(v) for v in named_by_ablated.values()) > 1, (task, named_by_ablated)
     with pytest.raises(ValueError, match="instructions must be one of"):
         make("drawer", instructions="none")
+
+
+def test_the_pixel_labels_land_on_the_named_object_and_on_the_plate():
+    """privileged.target_pixels / goal_pixels: where the named object and the named plate are in each camera's image
+    (the labels a locator learns from). Known answer: MuJoCo's segmentation render at those pixels shows those geoms,
+    in the agentview and, where they are in its view, in the wrist camera; the drawer has a target and no place."""
+    env = make("pick_place", image_size=96)
+    renderer = mujoco.Renderer(env.model, 96, 96)
+    renderer.enable_segmentation_rendering()
+    checked = {cam: 0 for cam in env.cameras}
+    for seed in range(6):
+        _, info = env.reset(seed=seed)
+        privileged = info["privileged"]
+        assert privileged["privileged.target_pixels"].shape == (len(env.cameras), 2)
+        for i, cam in enumerate(env.cameras):
+            renderer.update_scene(env.data, camera=cam)
+            segments = renderer.render()[..., 0]
+            for key, geom in (("privileged.target_pixels", env.target.geom), ("privileged.goal_pixels", "plate0")):
+                x, y = privileged[key][i]
+                if max(abs(x), abs(y)) > 0.95:  # out of this camera's view
+                    continue
+                column, row = int((x + 1) / 2 * 96), int((y + 1) / 2 * 96)
+                assert segments[row, column] == env.model.geom(geom).id, (seed, cam, key, (row, column))
+                checked[cam] += 1
+    assert checked["agentview"] == 12 and checked["wrist"] >= 2, checked
+    renderer.close()
+    drawer = make("drawer", image_size=64)
+    _, info = drawer.reset(seed=0)
+    assert "privileged.target_pixels" in info["privileged"] and "privileged.goal_pixels" not in info["privileged"]
