@@ -31,13 +31,10 @@ import torch
 ENCODERS = ("patchify", "spatial_softmax", "patchify_grounded")
 
 
-def pixel_position(env, body: str, camera: str, image_size: int) -> list[float]:
-    """A body's centre in `camera`'s image, (column, row) in pixels, from the camera's pose and field of view."""
-    cam = env.model.camera(camera).id
-    focal = (image_size / 2) / np.tan(np.deg2rad(env.model.cam_fovy[cam]) / 2)
-    world = env.data.xpos[env.model.body(body).id]
-    x, y, z = env.data.cam_xmat[cam].reshape(3, 3).T @ (world - env.data.cam_xpos[cam])  # camera looks along -z
-    return [image_size / 2 + focal * x / -z, image_size / 2 - focal * y / -z]
+def pixel_position(env, image_size: int) -> list[float]:
+    """The named object's centre in the agentview image, (column, row) in pixels (`TabletopEnv.image_positions`)."""
+    x, y = env.image_positions(env.body_pos(env.target.body)[None])[env.cameras.index("agentview"), 0]
+    return [(x + 1) / 2 * image_size, (y + 1) / 2 * image_size]
 
 
 def cube_frames(n: int, seed: int, *, image_size: int = 64) -> tuple[np.ndarray, np.ndarray]:
@@ -54,7 +51,7 @@ def cube_frames(n: int, seed: int, *, image_size: int = 64) -> tuple[np.ndarray,
         env.set_free_body(env.target.body, np.array([*xy, 0.02]), rng.uniform(-0.4, 0.4))
         mujoco.mj_forward(env.model, env.data)
         images.append(env._observation()["observation.images.agentview"])
-        pixels.append(pixel_position(env, env.target.body, "agentview", image_size))
+        pixels.append(pixel_position(env, image_size))
     env.close()
     return np.stack(images), np.asarray(pixels, np.float32)
 
@@ -71,7 +68,7 @@ def named_object_frames(n: int, seed: int, *, image_size: int = 64) -> tuple[np.
     for _ in range(n):
         obs, _ = env.reset(seed=int(rng.integers(1 << 30)))
         images.append(obs["observation.images.agentview"])
-        pixels.append(pixel_position(env, env.target.body, "agentview", image_size))
+        pixels.append(pixel_position(env, image_size))
         instructions.append(obs["task"])
     env.close()
     return np.stack(images), np.asarray(pixels, np.float32), instructions
@@ -120,7 +117,7 @@ def probe(encoder: str, train: tuple, test: tuple, *, steps: int, batch_size: in
     def cell_loss(idx: torch.Tensor) -> torch.Tensor:  # direct: the first keypoint classifies the labelled cell
         _, per_word, mask = instruction("train", idx)
         logits = net.locator.logits(net.inputs(images["train"][idx]), per_word, mask)[:, 0]
-        return torch.nn.functional.cross_entropy(logits, net.locator.cell_of(targets["train"][idx], size))
+        return torch.nn.functional.cross_entropy(logits, net.locator.cell_of(targets["train"][idx] / (size / 2) - 1))
 
     losses = []
     for _ in range(steps):

@@ -53,8 +53,8 @@ class VLAConfig:
     # read the target off the arm's heading (the expert goes straight for it) and stayed 12 cm off on fresh layouts.
     # "perception": camera + instruction features only; measured on full pick_place (1500 demos, 6000 SFT steps,
     # 100 episodes): 6 % against 5 % with "fused" -- no success gain yet, so "fused" stays the default.
-    # "keypoints" (patchify_grounded only): the head reads the keypoint coordinates alone, so its loss teaches the
-    # attention maps where the named object and the plate are.
+    # "keypoints" (patchify_grounded only): the head reads the keypoint coordinates alone. Through this learned head the
+    # locator has not learned to point (benchmarks/RESULTS.md, 2026-12-07); a cell loss on pixel labels does.
     aux_input: str = "fused"
     state_dropout: float = 0.0  # training only: per-sample probability of zeroing the normalised EE pose (state[:7])
     augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables

@@ -162,10 +162,11 @@ class InstructionLocator(nn.Module):
         """(B, 2 * keypoints) expected coordinates in [-1, 1]."""
         return expected_coordinates(self.logits(inputs, words, mask), self.grid)
 
-    def cell_of(self, pixels: Tensor, image_size: int) -> Tensor:
-        """The cell (row-major index) holding each (column, row) pixel position: a keypoint's class label."""
+    def cell_of(self, positions: Tensor) -> Tensor:
+        """The cell (row-major index) holding each image position (x, y) in [-1, 1] (the convention of the
+        coordinates and of the simulator's `privileged.*_pixels`): a keypoint's class label."""
         side = int(math.isqrt(self.grid.shape[0]))
-        cell = (pixels / image_size * side).long().clamp(0, side - 1)
+        cell = ((positions + 1) / 2 * side).long().clamp(0, side - 1)
         return cell[..., 1] * side + cell[..., 0]
 
 
