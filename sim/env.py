@@ -383,13 +383,16 @@ class TabletopEnv(gym.Env):
 
     def privileged_with_pixels(self) -> dict[str, np.ndarray]:
         """`privileged()` and where the named target (and the goal, where the task has a place as goal: `goal_pos`)
-        appears in each policy camera's image, (cameras, 2): the labels that teach a policy to find what the
-        instruction names (`image_positions`)."""
+        appears in each policy camera's image, `privileged.target_pixels.<camera>` (2,) (`image_positions`): the
+        labels that teach a policy to find what the instruction names. One key per camera, so that they travel with
+        the camera's name through a dataset."""
         privileged = self.privileged()
         if self.cameras and "privileged.target_pos" in privileged:
-            privileged["privileged.target_pixels"] = self.image_positions(privileged["privileged.target_pos"][None])[:, 0]
-            if hasattr(self, "goal_pos"):
-                privileged["privileged.goal_pixels"] = self.image_positions(np.asarray(self.goal_pos())[None])[:, 0]
+            points = [privileged["privileged.target_pos"]] + ([np.asarray(self.goal_pos())] if hasattr(self, "goal_pos") else [])
+            pixels = self.image_positions(np.stack(points))
+            for i, cam in enumerate(self.cameras):
+                for j, role in enumerate(("target", "goal")[: len(points)]):
+                    privileged[f"privileged.{role}_pixels.{cam}"] = pixels[i, j]
         return privileged
 
     def image_positions(self, points: np.ndarray) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Which recorded steps the VLA imitates: HELP's exclusion of failure-inducing and idle steps."""
 
 import numpy as np
+import torch
 
 from diffusion_rl.data import Episode, ExecutedBy, Segment, mark_failure_inducing
 from kinema.train.buffer import StepBuffer
@@ -43,3 +44,28 @@ def test_step_buffer_resizes_demo_frames_to_the_policy_size():
     assert buffer.images["agentview"].shape == (3, 4, 4, 3)
     assert (buffer.images["agentview"][:, :2] == 200).all() and (buffer.images["agentview"][:, 2:] == 0).all()
     assert StepBuffer.from_episodes([ep], ["agentview"], image_size=8).images["agentview"].shape == (3, 8, 8, 3)
+
+
+def test_the_buffer_carries_each_cameras_pixel_labels_and_none_for_a_recording_without_them():
+    """where_target: per step, camera and role (target, goal), the simulator's pixel labels as recorded under the
+    camera's name, in the policy's camera order whatever order the episode holds them in; NaN for an episode that
+    has none (a recording), beside one that has."""
+    from kinema.train.buffer import where_targets
+    from sim.rollout import collect_demos
+
+    demo = collect_demos("pick_place", 1, seeds=[3], num_envs=1, image_size=32)[0]
+    cameras = ("wrist", "agentview")
+    recording = Episode(observations=demo.observations, action=demo.action, task=demo.task)
+    buffer = StepBuffer.from_episodes([demo, recording], cameras)
+    assert buffer.where.shape == (2 * len(demo), 2, 2, 2)
+    labels = where_targets(demo, cameras)
+    for c, cam in enumerate(cameras):
+        for r, role in enumerate(("target", "goal")):
+            recorded = demo.privileged[f"privileged.{role}_pixels.{cam}"]
+            in_view = (np.abs(recorded) <= 1).all(-1)
+            np.testing.assert_array_equal(labels[in_view, c, r], recorded[in_view])
+            assert np.isnan(labels[~in_view, c, r]).all()
+    assert (np.abs(labels[0, 1]) <= 1).all()  # the agentview sees both at the start
+    batch = buffer.batch(np.array([0, len(demo)]), chunk_size=4)
+    np.testing.assert_array_equal(batch["where_target"][0].numpy(), labels[0])
+    assert torch.isnan(batch["where_target"][1]).all()

@@ -88,20 +88,69 @@ def test_the_grounded_encoder_points_where_the_instruction_words_say_and_the_aux
     model = VLAPolicy(config).eval()
     batch = fake_batch(config=config)
     batch["aux_target"] = torch.randn(6, 5)
-    context, where = model.encode(batch)
+    context, aux = model.encode(batch)
+    where = aux.head
     assert where.shape == (6, 2 * 3 * len(config.cameras)) and where.abs().max() <= 1.0  # image coordinates in [-1, 1]
     other_words = {**batch, "task": ["put the green brick on the red plate"] * 6}
-    assert not torch.allclose(model.encode(other_words)[1], where)  # the points follow the words
+    assert not torch.allclose(model.encode(other_words)[1].head, where)  # the points follow the words
     moved = {**batch, "observation.state": batch["observation.state"] + 3.0}
-    torch.testing.assert_close(model.aux_loss(moved, model.encode(moved)[1]), model.aux_loss(batch, where))
+    torch.testing.assert_close(model.aux_loss(moved, model.encode(moved)[1]), model.aux_loss(batch, aux))
     assert not torch.allclose(model.features(moved), context)  # the actions still see the state
     with torch.no_grad():
         for encoder in model.vision.values():
             encoder.project[1].weight.normal_()  # patchify's features change; the points do not
-    torch.testing.assert_close(model.encode(batch)[1], where)
+    torch.testing.assert_close(model.encode(batch)[1].head, where)
     model.save_pretrained(str(tmp_path / "ckpt"))
     loaded = VLAPolicy.from_pretrained(str(tmp_path / "ckpt")).eval()
     noise = torch.randn(6, 4, 7)
     torch.testing.assert_close(loaded.predict_action_chunk(batch, noise=noise), model.predict_action_chunk(batch, noise=noise))
     with pytest.raises(ValueError, match="aux_input 'keypoints' reads the keypoints of vision_encoder 'patchify_grounded'.*got vision_encoder 'patchify'"):
         tiny_config(aux_input="keypoints", aux_dim=5)
+
+
+def test_random_shift_reports_where_the_content_moved():
+    """The shift random_shift returns is where a pixel label goes: a lone bright pixel is found at its position plus
+    the shift, in the [-1, 1] convention of the labels."""
+    from policies.vla.modeling_vla import random_shift
+
+    torch.manual_seed(0)
+    images = torch.zeros(16, 3, 32, 32)
+    row, column = 11, 20
+    images[:, :, row, column] = 1.0
+    shifted, shift = random_shift(images, 4)
+    assert shift.shape == (16, 2) and shift.abs().max() > 0
+    found = shifted[:, 0].flatten(1).argmax(-1)
+    label = torch.tensor([(column + 0.5) / 32 * 2 - 1, (row + 0.5) / 32 * 2 - 1])
+    moved = label + shift
+    torch.testing.assert_close(torch.stack([found % 32, found // 32], -1).float(), (moved + 1) / 2 * 32 - 0.5)
+
+
+def test_the_where_loss_classifies_the_labelled_cell_and_skips_what_is_out_of_view():
+    """where_loss: cross-entropy of keypoint 0 on the target's cell and keypoint 1 on the goal's, per camera, averaged
+    over the labels in view. Known answers on hand-made cell scores: near 0 where the scores peak at the labelled
+    cells, about the peak's height where they peak elsewhere, 0 for a sample whose labels are all unknown, and a
+    label moved by the augmentation shift is scored at its new cell."""
+    from policies.vla.modeling_vla import AuxFeatures
+
+    config = tiny_config(vision_encoder="patchify_grounded", keypoints=3)
+    model = VLAPolicy(config).eval()
+    locator = model.vision[config.cameras[0]].locator
+    cells = locator.grid.shape[0]
+    target = torch.tensor([[0.3, -0.5], [-0.7, 0.6]])  # target, goal in every camera
+    where = target.expand(4, len(config.cameras), 2, 2).clone()
+    where[2] = float("nan")  # no label: a recording
+    where[3, :, 1] = 2.0  # the goal out of view
+    right = locator.cell_of(target)
+    logits = torch.zeros(4, 3, cells)
+    logits[:, 0, right[0]] = logits[:, 1, right[1]] = 30.0
+    logits[1, 0, right[0]] = 0.0
+    logits[1, 0, (right[0] + 1) % cells] = 30.0  # sample 1's target keypoint peaks one cell off
+    zero = {cam: torch.zeros(4, 2) for cam in config.cameras}
+    aux = AuxFeatures(torch.zeros(4, 1), {cam: logits for cam in config.cameras}, zero)
+    loss = model.where_loss({"where_target": where}, aux)
+    assert loss[0] < 1e-6 and loss[3] < 1e-6 and loss[2] == 0
+    torch.testing.assert_close(loss[1], torch.tensor(15.0), atol=1e-3, rtol=0)  # (30 + 0) / 2 labels
+    side = int(cells**0.5)
+    moved = {cam: torch.tensor([[2.0 / side, 0.0]]).expand(4, 2) for cam in config.cameras}  # one cell to the right
+    shifted = model.where_loss({"where_target": where}, AuxFeatures(aux.head, aux.where_logits, moved))
+    assert shifted[0] > 10  # the scores stayed, the label moved on

@@ -18,6 +18,8 @@ from diffusion_rl.credit import segment_imitation_weights
 from diffusion_rl.data import Episode
 
 AUX_KEYS = ("privileged.objects", "privileged.target_pos", "privileged.goal_pos")
+# What a grounded encoder's first keypoints are taught to point at, in this order (sim.env.privileged_with_pixels).
+WHERE_ROLES = ("target", "goal")
 
 
 def aux_targets(ep: Episode) -> np.ndarray | None:
@@ -25,6 +27,22 @@ def aux_targets(ep: Episode) -> np.ndarray | None:
     if not all(k in ep.privileged for k in AUX_KEYS):
         return None
     return np.concatenate([ep.privileged[k].reshape(len(ep), -1) for k in AUX_KEYS], axis=1).astype(np.float32)
+
+
+def where_targets(ep: Episode, cameras: Sequence[str]) -> np.ndarray | None:
+    """Where the named target and goal are in each camera's image, per step: (T, cameras, roles, 2) in [-1, 1], NaN
+    where the episode has no such label (no goal, a real robot) or the point is out of that camera's view; None if
+    the episode has no pixel label at all."""
+    keys = [[f"privileged.{role}_pixels.{cam}" for role in WHERE_ROLES] for cam in cameras]
+    if not any(k in ep.privileged for row in keys for k in row):
+        return None
+    out = np.full((len(ep), len(cameras), len(WHERE_ROLES), 2), np.nan, np.float32)
+    for c, row in enumerate(keys):
+        for r, key in enumerate(row):
+            if key in ep.privileged:
+                xy = ep.privileged[key].reshape(len(ep), 2)
+                out[:, c, r] = np.where((np.abs(xy) <= 1).all(-1, keepdims=True), xy, np.nan)
+    return out
 
 
 @dataclass
@@ -49,6 +67,7 @@ class StepBuffer:
     # per episode: the instructions its steps may be imitated under, one drawn by `rng` at each use (`with_instructions`)
     instruction_choices: list[tuple[str, ...]] | None = None
     rng: np.random.Generator | None = None
+    where: np.ndarray | None = None  # per step: `where_targets`, for a locator's cell classification
 
     def with_instructions(self, choices: Sequence[Sequence[str]], rng: np.random.Generator) -> StepBuffer:
         """This buffer with each episode's steps imitated under one of `choices[episode]`, drawn at each use."""
@@ -84,6 +103,12 @@ class StepBuffer:
                                         for x in images[cam]])
         aux_parts = [aux_targets(ep) for ep in episodes]
         aux = np.concatenate(aux_parts) if all(a is not None for a in aux_parts) else None
+        where_parts = [where_targets(ep, cameras) for ep in episodes]
+        where = None
+        if any(w is not None for w in where_parts):  # an episode without labels (a recording) teaches no `where`
+            blank = (len(cameras), len(WHERE_ROLES), 2)
+            where = np.concatenate([np.full((len(ep), *blank), np.nan, np.float32) if w is None else w
+                                    for ep, w in zip(episodes, where_parts)])  # fmt: skip
         return cls(
             images=images,
             state=np.concatenate([ep.observations["observation.state"] for ep in episodes]),
@@ -96,6 +121,7 @@ class StepBuffer:
             episode_length=lengths,
             outcome=np.repeat(np.array([float(ep.outcome) for ep in episodes], np.float32), lengths),
             imitable=segment_imitation_weights(torch.from_numpy(np.concatenate([ep.segment for ep in episodes]))).numpy() > 0,
+            where=where,
         )
 
     def __len__(self) -> int:
@@ -126,6 +152,8 @@ class StepBuffer:
         out["action_is_pad"] = torch.from_numpy(is_pad).to(device)
         if self.aux is not None:
             out["aux_target"] = torch.from_numpy(self.aux[index]).to(device)
+        if self.where is not None:
+            out["where_target"] = torch.from_numpy(self.where[index]).to(device)
         if self.advantage is not None:
             out["advantage_indicator"] = torch.from_numpy(self.advantage[index].astype(np.int64)).to(device)
         if future:

@@ -207,6 +207,7 @@ class VLAOptions(PolicyOptions):
     # "patchify" (stride-4 first conv) | "spatial_softmax" (full resolution, keypoints) | "patchify_grounded" (+ where the words' objects are)
     vision_encoder: str = "patchify"
     keypoints: int = 32  # spatial_softmax, patchify_grounded: (x, y) keypoints per camera
+    where_weight: float = 1.0  # patchify_grounded: its locators classify the named target's / goal's cell (pixel labels) in SFT
     state_dropout: float = 0.0  # probability of hiding the end-effector pose from the policy per training sample
     augment_shift: int = 4  # random-shift augmentation in training (pixels); 0 disables
     text_position_jitter: bool = False  # instructions start at a random word position in training (tiny backbone)

@@ -56,6 +56,9 @@ class VLAConfig:
     # "keypoints" (patchify_grounded only): the head reads the keypoint coordinates alone. Through this learned head the
     # locator has not learned to point (benchmarks/RESULTS.md, 2026-12-07); a cell loss on pixel labels does.
     aux_input: str = "fused"
+    # patchify_grounded: weight of its locators' cell classification on the pixel labels (`where_target`) beside the
+    # aux loss in SFT; keypoint 0 learns the named target, 1 the goal, the others stay free. 0: no pixel supervision.
+    where_weight: float = 1.0
     state_dropout: float = 0.0  # training only: per-sample probability of zeroing the normalised EE pose (state[:7])
     augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables
     # Training only, tiny backbone (ours): instructions start at a random word position, and this share of them get
@@ -98,6 +101,8 @@ class VLAConfig:
             raise ValueError(f"VLAConfig.image_size must be a multiple of 8 and >= 32; got {self.image_size}")
         if self.vision_encoder not in VISION_ENCODER_NAMES:
             raise ValueError(f"VLAConfig.vision_encoder must be one of {', '.join(map(repr, VISION_ENCODER_NAMES))}; got {self.vision_encoder!r}")
+        if not self.where_weight >= 0:
+            raise ValueError(f"VLAConfig.where_weight must be >= 0; got {self.where_weight}")
         if self.keypoints < 1:
             raise ValueError(f"VLAConfig.keypoints must be >= 1; got {self.keypoints}")
         if self.time_distribution not in ("beta", "uniform", "logit_normal"):

@@ -14,6 +14,8 @@ Batch convention (all tensors on the model's device):
     action:                      (B, chunk_size, action_dim) in [-1, 1]     (training only)
     action_is_pad:               bool (B, chunk_size), True past the episode end  (optional)
     aux_target:                  (B, aux_dim) privileged targets, already normalised (optional)
+    where_target:                (B, cameras, 2, 2) where the named target and goal are in each image, in [-1, 1],
+                                 NaN where unknown or out of view (optional; kinema.train.buffer.where_targets)
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -182,9 +184,25 @@ class GroundedPatchifyEncoder(FiLMConvEncoder):
         self.where_dim = 2 * config.keypoints
 
     def forward(self, image: Tensor, text: Tensor, words: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        return self.forward_with_logits(image, text, words, mask)[0]
+
+    def forward_with_logits(self, image: Tensor, text: Tensor, words: Tensor | None, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The features and the locator's cell scores (B, keypoints, cells), what its cell classification trains."""
         if words is None or mask is None:
             raise ValueError("the patchify_grounded encoder reads the instruction's words: pass words and mask")
-        return torch.cat([self.project(self.feature_map(image, text)), self.locator(self.inputs(image), words, mask)], dim=-1)
+        logits = self.locator.logits(self.inputs(image), words, mask)
+        where = expected_coordinates(logits, self.locator.grid)
+        return torch.cat([self.project(self.feature_map(image, text)), where], dim=-1), logits
+
+
+class AuxFeatures(NamedTuple):
+    """What `VLAPolicy.encode` hands its auxiliary losses: the privileged head's input, and for cameras with an
+    `InstructionLocator` its cell scores and how far augmentation moved that camera's image (B, 2) in [-1, 1] units,
+    by which the pixel labels move too."""
+
+    head: Tensor
+    where_logits: dict[str, Tensor]
+    shift: dict[str, Tensor]
 
 
 VISION_ENCODERS = {"patchify": FiLMConvEncoder, "spatial_softmax": SpatialSoftmaxEncoder, "patchify_grounded": GroundedPatchifyEncoder}
@@ -310,20 +328,21 @@ class VLAPolicy(ChunkedActing, nn.Module):
     def device(self) -> torch.device:
         return self.state_mean.device
 
-    def _image(self, batch: Mapping[str, Any], cam: str) -> Tensor:
+    def _image(self, batch: Mapping[str, Any], cam: str) -> tuple[Tensor, Tensor]:
+        """The camera's images (B, 3, H, W), randomly shifted in training, and the shift (B, 2) of their content."""
         img = camera_images(batch, f"observation.images.{cam}", self.config.image_size, self.device, self.config.cameras)
         if self.training and self.config.augment_shift:
-            img = random_shift(img, self.config.augment_shift)
-        return img
+            return random_shift(img, self.config.augment_shift)
+        return img, img.new_zeros(img.shape[0], 2)
 
     def features(self, batch: Mapping[str, Any]) -> Tensor:
         """The fused observation feature (B, hidden_dim): what the action expert, the critics and the success model read."""
         return self.encode(batch)[0]
 
-    def encode(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
-        """(fused feature, what the aux head reads): the camera + instruction features without the state
-        (`aux_input="perception"`), the cameras' keypoint coordinates alone ("keypoints"), or the fused feature itself
-        ("fused", and always with a VLM prefix)."""
+    def encode(self, batch: Mapping[str, Any]) -> tuple[Tensor, AuxFeatures]:
+        """(fused feature, what the auxiliary losses read): the aux head reads the camera + instruction features
+        without the state (`aux_input="perception"`), the cameras' keypoint coordinates alone ("keypoints"), or the
+        fused feature itself ("fused", and always with a VLM prefix)."""
         state = (torch.as_tensor(batch["observation.state"], device=self.device, dtype=torch.float32) - self.state_mean) / self.state_std
         if self.training and self.config.state_dropout:
             # Hide the end-effector pose (keep the gripper): the action head must find the target in the images
@@ -332,18 +351,28 @@ class VLAPolicy(ChunkedActing, nn.Module):
             pose = torch.zeros_like(state, dtype=torch.bool)
             pose[:, : min(7, state.shape[1] - 1)] = True
             state = state.masked_fill(drop & pose, 0.0)
+        images = {cam: self._image(batch, cam) for cam in self.config.cameras}
         if self.prefix is not None:
-            context = self.prefix([self._image(batch, cam) for cam in self.config.cameras], list(batch["task"]), state)
-            return context, context
+            context = self.prefix([images[cam][0] for cam in self.config.cameras], list(batch["task"]), state)
+            return context, AuxFeatures(context, {}, {})
         # Word-order augmentations of the instruction, in training only (off by default: VLAConfig).
         ids, mask = self.tokenizer(list(batch["task"]), self.device, filler_words=self.config.text_filler_words if self.training else 0.0)
         words, text = self.text(ids, mask, jitter_positions=self.training and self.config.text_position_jitter)
-        cameras = [self.vision[cam](self._image(batch, cam), text, words, mask) for cam in self.config.cameras]
+        cameras, logits = [], {}
+        for cam in self.config.cameras:
+            encoder, (image, _) = self.vision[cam], images[cam]
+            if encoder.where_dim:
+                features, logits[cam] = encoder.forward_with_logits(image, text, words, mask)
+            else:
+                features = encoder(image, text, words, mask)
+            cameras.append(features)
         perception = torch.cat([*cameras, text], dim=-1)
         context = self.fuse(torch.cat([perception, self.state_mlp(state)], dim=-1))
         if self.config.aux_input == "keypoints":
-            return context, torch.cat([f[:, f.shape[1] - self.vision[cam].where_dim :] for cam, f in zip(self.config.cameras, cameras)], dim=-1)
-        return context, (perception if self.config.aux_input == "perception" else context)
+            head = torch.cat([f[:, f.shape[1] - self.vision[cam].where_dim :] for cam, f in zip(self.config.cameras, cameras)], dim=-1)
+        else:
+            head = perception if self.config.aux_input == "perception" else context
+        return context, AuxFeatures(head, logits, {cam: images[cam][1] for cam in logits})
 
     # ----- training ------------------------------------------------------------------------------------------------
     def flow_loss(
@@ -420,13 +449,37 @@ class VLAPolicy(ChunkedActing, nn.Module):
             adv_clip_max=adv_clip_max, mask=mask, space=space,
         )  # fmt: skip
 
-    def aux_loss(self, batch: Mapping[str, Any], aux_features: Tensor) -> Tensor:
-        """Per-sample MSE (B,) of the privileged-position head on normalised targets; `aux_features` is
-        `encode(batch)[1]`."""
-        if self.aux_head is None or "aux_target" not in batch:
-            return torch.zeros(aux_features.shape[0], device=self.device)
-        target = (torch.as_tensor(batch["aux_target"], device=self.device) - self.aux_mean) / self.aux_std
-        return (self.aux_head(aux_features) - target).pow(2).mean(-1)
+    def aux_loss(self, batch: Mapping[str, Any], aux_features: AuxFeatures) -> Tensor:
+        """Per-sample auxiliary loss (B,), `aux_features` being `encode(batch)[1]`: the privileged-position head's MSE
+        on normalised targets, plus `where_weight` x the locators' cell classification (`where_loss`)."""
+        loss = torch.zeros(aux_features.head.shape[0], device=self.device)
+        if self.aux_head is not None and "aux_target" in batch:
+            target = (torch.as_tensor(batch["aux_target"], device=self.device) - self.aux_mean) / self.aux_std
+            loss = loss + (self.aux_head(aux_features.head) - target).pow(2).mean(-1)
+        if self.config.where_weight and aux_features.where_logits and "where_target" in batch:
+            loss = loss + self.config.where_weight * self.where_loss(batch, aux_features)
+        return loss
+
+    def where_loss(self, batch: Mapping[str, Any], aux_features: AuxFeatures) -> Tensor:
+        """Per-sample cross-entropy (B,) of each grounded camera's keypoints 0 and 1 on the cells holding the named
+        target and goal (`where_target`, moved with the image's augmentation shift), averaged over the labels in
+        view; 0 for a sample with none. Classifying the cell is what teaches the locator to point
+        (benchmarks/localisation_probe.py --named): regressing its coordinates plateaus."""
+        target = torch.as_tensor(batch["where_target"], device=self.device, dtype=torch.float32)
+        total = torch.zeros(target.shape[0], device=self.device)
+        count = torch.zeros_like(total)
+        for c, cam in enumerate(self.config.cameras):
+            if cam not in aux_features.where_logits:
+                continue
+            logits = aux_features.where_logits[cam]
+            roles = min(logits.shape[1], target.shape[2])
+            xy = target[:, c, :roles] + aux_features.shift[cam][:, None]
+            valid = torch.isfinite(xy).all(-1) & (xy.abs() <= 1).all(-1)  # (B, roles)
+            cells = self.vision[cam].locator.cell_of(torch.nan_to_num(xy).clamp(-1, 1))
+            ce = F.cross_entropy(logits[:, :roles].flatten(0, 1), cells.flatten(), reduction="none").view_as(valid)
+            total = total + (ce * valid).sum(-1)
+            count = count + valid.sum(-1)
+        return total / count.clamp(min=1)
 
     # ----- inference -------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -520,8 +573,9 @@ class VLAPolicy(ChunkedActing, nn.Module):
         self.load_state_dict(state)
 
 
-def random_shift(images: Tensor, pad: int) -> Tensor:
-    """DrQ-style augmentation: pad by replicating edges, crop back at a random offset per sample."""
+def random_shift(images: Tensor, pad: int) -> tuple[Tensor, Tensor]:
+    """DrQ-style augmentation: pad by replicating edges, crop back at a random offset per sample. Returns the images
+    and how far their content moved, (B, 2) as (x, y) in [-1, 1] units (a label at p is at p + shift after it)."""
     B, C, H, W = images.shape
     padded = F.pad(images, (pad, pad, pad, pad), mode="replicate")
     dx = torch.randint(0, 2 * pad + 1, (B,), device=images.device)
@@ -529,4 +583,6 @@ def random_shift(images: Tensor, pad: int) -> Tensor:
     rows = (dy[:, None] + torch.arange(H, device=images.device)[None])  # (B, H)
     cols = (dx[:, None] + torch.arange(W, device=images.device)[None])  # (B, W)
     idx_b = torch.arange(B, device=images.device)[:, None, None]
-    return padded.permute(0, 2, 3, 1)[idx_b, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+    shifted = padded.permute(0, 2, 3, 1)[idx_b, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+    shift = torch.stack([(pad - dx) * 2.0 / W, (pad - dy) * 2.0 / H], dim=-1).to(images.dtype)
+    return shifted, shift
