@@ -24,7 +24,7 @@ import torch
 import yaml
 from draccus.utils import DecodingError
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
 from diffusion_rl.data import Episode
@@ -255,10 +255,51 @@ class RemainingColumn(TimeRemainingColumn):
         return super().render(task)
 
 
+class LoggedProgress(Progress):
+    """rich's bars; where the console is no terminal (a log file, `nohup`), where bars draw nothing, each task
+    prints a line at every tenth of its total instead, with its time left (a task added with `log=False`: never)."""
+
+    def __init__(self, *columns: Any, **kwargs: Any) -> None:
+        super().__init__(*columns, **kwargs)
+        self._tenths: dict[TaskID, int] = {}
+
+    def update(self, task_id: TaskID, **kwargs: Any) -> None:
+        super().update(task_id, **kwargs)
+        self._log(task_id)
+
+    def advance(self, task_id: TaskID, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._log(task_id)
+
+    def reset(self, task_id: TaskID, **kwargs: Any) -> None:
+        super().reset(task_id, **kwargs)
+        self._tenths.pop(task_id, None)
+
+    def _log(self, task_id: TaskID) -> None:
+        if self.console.is_terminal:
+            return
+        task = self._tasks[task_id]
+        if not task.total or task.total < 10 or not task.fields.get("log", True) or not task.completed:
+            return
+        tenths = int(10 * task.completed // task.total)
+        if tenths <= self._tenths.get(task_id, 0):
+            return
+        self._tenths[task_id] = tenths
+        elapsed = task.elapsed or 0.0
+        left = elapsed / task.completed * max(task.total - task.completed, 0)
+        self.console.print(f"{Text.from_markup(task.description).plain}: {task.completed:g}/{task.total:g} · "
+                           f"{minutes(elapsed)} elapsed · ~{minutes(left)} left", highlight=False)  # fmt: skip
+
+
+def minutes(seconds: float) -> str:
+    """A duration as a person reads it: seconds below a minute and a half, else whole minutes."""
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
 def progress_bar(console: Console | None = None, *, transient: bool = False) -> Progress:
     """Bars with a description, count, elapsed and remaining time, and a status text (`status=` when adding a task);
-    `transient` ones vanish when they stop."""
-    return Progress(
+    `transient` ones vanish when they stop. In a log file, lines at each tenth instead (`LoggedProgress`)."""
+    return LoggedProgress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),

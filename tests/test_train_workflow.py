@@ -584,3 +584,30 @@ def test_an_unmeasured_kind_of_work_takes_its_kins_pace_scaled_as_their_priors()
     assert pace.rate("rollout") == pytest.approx(0.5 * PRIORS["rollout"] / PRIORS["eval"])
     assert pace.rate("sft") == PRIORS["sft"]
     assert pace.seconds_left() == pytest.approx(6 * 0.5 + 10 * pace.rate("rollout") + 100 * PRIORS["sft"])
+
+
+def test_a_run_logged_to_a_file_says_each_tenth_of_a_phase_and_a_terminal_gets_the_bar_alone():
+    """With no terminal to draw a bar on (`nohup kinema train ... > log`), a phase prints one line per tenth of its
+    count, with its time left, and the run line none; on a terminal, only the bars."""
+    import io
+
+    from rich.console import Console
+
+    from kinema.common import progress_bar
+    from kinema.train.progress import RunPace, RunProgress
+
+    for terminal in (False, True):
+        out = io.StringIO()
+        progress = RunProgress(progress_bar(Console(file=out, force_terminal=terminal, width=120)), RunPace({"sft": 250}))
+        with progress.phase("SFT (steps)", 250, kind="sft"):
+            for _ in range(250):
+                progress.advance()
+        with progress.phase("evaluation (episodes)", 20, kind="eval"):
+            progress.advance(20)
+        lines = [line for line in out.getvalue().splitlines() if line.endswith(" left")]
+        if terminal:
+            assert lines == []
+        else:
+            assert [line.split(" · ")[0] for line in lines] == [f"SFT (steps): {25 * k}/250" for k in range(1, 11)] + [
+                "evaluation (episodes): 20/20"]  # fmt: skip
+            assert lines[-1].endswith("~0 s left") and "run (% of estimate)" not in out.getvalue()

@@ -18,6 +18,8 @@ from rich.panel import Panel
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
+from kinema.common import minutes
+
 KINDS = ("demo", "sft", "eval", "rollout", "update")
 # Seconds per unit before the run has measured any (the default run on a 2-core CPU, 12-06 night: the tiny VLA,
 # 64 px cameras, 2 env workers, SFT and updates on both cores): the first minutes' estimate only. "update" is a
@@ -54,8 +56,7 @@ class RunPace:
     def describe_left(self) -> str:
         left = self.seconds_left()
         measured = any(self.done.values())
-        text = f"{left / 60:.0f} min" if left >= 90 else f"{left:.0f} s"
-        return f"~{text} left" + ("" if measured else " (rough: nothing measured yet)")
+        return f"~{minutes(left)} left" + ("" if measured else " (rough: nothing measured yet)")
 
 
 class RunProgress:
@@ -63,7 +64,7 @@ class RunProgress:
 
     def __init__(self, bar: Progress, pace: RunPace) -> None:
         self.bar, self.pace = bar, pace
-        self.run_task: TaskID = bar.add_task("run (% of estimate)", total=100, status="", eta=pace.describe_left())
+        self.run_task: TaskID = bar.add_task("run (% of estimate)", total=100, status="", eta=pace.describe_left(), log=False)
         self.task: TaskID | None = None
 
     def refresh(self) -> None:
