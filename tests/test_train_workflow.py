@@ -611,3 +611,20 @@ def test_a_run_logged_to_a_file_says_each_tenth_of_a_phase_and_a_terminal_gets_t
             assert [line.split(" · ")[0] for line in lines] == [f"SFT (steps): {25 * k}/250" for k in range(1, 11)] + [
                 "evaluation (episodes): 20/20"]  # fmt: skip
             assert lines[-1].endswith("~0 s left") and "run (% of estimate)" not in out.getvalue()
+
+
+def test_a_grounded_encoder_learns_from_the_demos_pixel_labels_and_is_told_when_they_have_none(tmp_path: Path):
+    """patchify_grounded: sim demos carry the pixel labels and its SFT uses them, so no note; a recording from
+    before the labels (the fixture's demos) trains, with a note that its locator then learns only through the
+    actions."""
+    from rich.console import Console
+
+    from kinema.train.workflow import train
+
+    base = [*TINY, "--rl.rounds", "0", "--eval.heldout", "false", "--eval.videos", "0", "--policy.vision_encoder",
+            "patchify_grounded", "--policy.keypoints", "2"]  # fmt: skip
+    for name, extra in (("fresh", []), ("recording", ["--dataset", str(Path(__file__).parent / "fixtures" / "run-before-methods" / "demos")])):
+        log = tmp_path / f"{name}.log"
+        with log.open("w") as f:
+            train(load_config(None, [*base, *extra, "--out", str(tmp_path / name)]), console=Console(file=f, width=200))
+        assert ("carry no pixel labels" in log.read_text()) == (name == "recording"), log.read_text()

@@ -53,7 +53,7 @@ class SFTConfig:
     batch_size: int = 64
     lr: float = 3e-4
     weight_decay: float = 1e-4
-    aux_weight: float = 1.0  # weight of the privileged object-position head (0 disables)
+    aux_weight: float = 1.0  # weight of the auxiliary losses: the privileged-position head, a grounded encoder's pixel loss (0: neither)
 
 
 @dataclass
