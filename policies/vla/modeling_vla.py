@@ -175,8 +175,8 @@ class InstructionLocator(nn.Module):
 class GroundedPatchifyEncoder(FiLMConvEncoder):
     """The patchify encoder's features (*what*), followed by an `InstructionLocator`'s coordinates (*where* the
     named things are). The coordinates stay raw at the end of the output (`where_dim` of them), so that
-    `aux_input="keypoints"` can make the privileged-position head read them alone. Experimental: through that head
-    the locator has not yet learned to point in a policy (benchmarks/RESULTS.md, 2026-12-07)."""
+    `aux_input="keypoints"` can make the privileged-position head read them alone. The locator learns to point from
+    the simulator's pixel labels (`VLAPolicy.where_loss`); through that head alone it did not (benchmarks/RESULTS.md)."""
 
     def __init__(self, config: VLAConfig) -> None:
         super().__init__(config)
