@@ -231,9 +231,9 @@ def _train(
              "steps_to_success": demo_steps, **weighting})  # fmt: skip
 
     if getattr(cfg.policy, "vision_encoder", "") == "patchify_grounded" and demo_buffer.where is None:
-        console.print("[yellow]note: these demonstrations carry no pixel labels (privileged.target_pixels.<camera>: "
-                      "sim demos collected since 12-07 do); the grounded encoder's locator then learns only through "
-                      "the actions, which it has not been seen to do (benchmarks/RESULTS.md)[/yellow]")  # fmt: skip
+        console.print("[yellow]note: these demonstrations carry no pixel labels (privileged.target_pixels.<camera>, "
+                      "recorded with sim demos); the grounded encoder's locator then learns only through the actions"
+                      "[/yellow]")  # fmt: skip
 
     # 3. Policy and SFT ------------------------------------------------------------------------------------------------
     aux_dim = demo_buffer.aux.shape[1] if (demo_buffer.aux is not None and cfg.sft.aux_weight > 0) else 0

@@ -49,12 +49,9 @@ class VLAConfig:
     expert_layers: int = 3
     aux_dim: int = 0  # size of the privileged auxiliary target (object positions), 0 disables the aux head
     aux_weight: float = 1.0  # weight of the auxiliary loss against the flow loss in SFT
-    # What the aux head reads. "fused": the fused feature, proprio state included: on pick_place the head learned to
-    # read the target off the arm's heading (the expert goes straight for it) and stayed 12 cm off on fresh layouts.
-    # "perception": camera + instruction features only; measured on full pick_place (1500 demos, 6000 SFT steps,
-    # 100 episodes): 6 % against 5 % with "fused" -- no success gain yet, so "fused" stays the default.
-    # "keypoints" (patchify_grounded only): the head reads the keypoint coordinates alone. Through this learned head the
-    # locator has not learned to point (benchmarks/RESULTS.md, 2026-12-07); a cell loss on pixel labels does.
+    # What the aux head reads: "fused" (the fused feature, proprio state included: the head can read the target off
+    # the arm's heading), "perception" (camera + instruction features only), or "keypoints" (patchify_grounded only:
+    # its keypoint coordinates alone). Pointing is taught by `where_weight`'s cell loss, not through this head.
     aux_input: str = "fused"
     # patchify_grounded: weight of its locators' cell classification on the pixel labels (`where_target`) beside the
     # aux loss in SFT; keypoint 0 learns the named target, 1 the goal, the others stay free. 0: no pixel supervision.

@@ -160,10 +160,6 @@ class InstructionLocator(nn.Module):
         queries = self.query(reading @ words)  # (B, keypoints, width)
         return (queries @ keys) * (self.temperature * 4 / math.sqrt(keys.shape[1]))
 
-    def forward(self, inputs: Tensor, words: Tensor, mask: Tensor) -> Tensor:
-        """(B, 2 * keypoints) expected coordinates in [-1, 1]."""
-        return expected_coordinates(self.logits(inputs, words, mask), self.grid)
-
     def cell_of(self, positions: Tensor) -> Tensor:
         """The cell (row-major index) holding each image position (x, y) in [-1, 1] (the convention of the
         coordinates and of the simulator's `privileged.*_pixels`): a keypoint's class label."""
