@@ -108,6 +108,28 @@ def test_the_grounded_encoder_points_where_the_instruction_words_say_and_the_aux
         tiny_config(aux_input="keypoints", aux_dim=5)
 
 
+def test_with_instruction_input_locator_the_instruction_reaches_the_policy_only_through_where_the_locators_point():
+    """instruction_input="locator": a paraphrase changes the fused feature only by moving the locators' points; held
+    at the same points, the feature is the same. With "pooled" (the default) the pooled words change it anyway."""
+    paraphrase = ["could you transfer the red cube to the blue plate"] * 6
+    for instruction_input, same_when_points_held in (("locator", True), ("pooled", False)):
+        torch.manual_seed(0)
+        config = tiny_config(vision_encoder="patchify_grounded", keypoints=2, instruction_input=instruction_input)
+        model = VLAPolicy(config).eval()
+        batch = fake_batch(config=config)
+        with torch.no_grad():
+            context = model.features(batch)
+            assert not torch.allclose(model.features({**batch, "task": paraphrase}), context)  # the points follow the words
+            ids, mask = model.tokenizer(batch["task"])
+            words = model.text(ids, mask)[0]
+            held = {cam: encoder.locator.logits(encoder.inputs(model._image(batch, cam)[0]), words, mask) for cam, encoder in model.vision.items()}
+            for cam, encoder in model.vision.items():
+                encoder.locator.logits = lambda inputs, words, mask, fixed=held[cam]: fixed
+            assert torch.allclose(model.features({**batch, "task": paraphrase}), context, atol=1e-6) is same_when_points_held
+    with pytest.raises(ValueError, match="instruction_input 'locator' passes the instruction through the locators"):
+        tiny_config(instruction_input="locator")
+
+
 def test_random_shift_reports_where_the_content_moved():
     """The shift random_shift returns is where a pixel label goes: a lone bright pixel is found at its position plus
     the shift, in the [-1, 1] convention of the labels."""

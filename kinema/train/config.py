@@ -208,6 +208,7 @@ class VLAOptions(PolicyOptions):
     vision_encoder: str = "patchify"
     keypoints: int = 32  # spatial_softmax, patchify_grounded: (x, y) keypoints per camera
     where_weight: float = 1.0  # patchify_grounded: its locators classify the named target's / goal's cell (pixel labels) in SFT
+    instruction_input: str = "pooled"  # "pooled" (FiLM + fused feature) | "locator" (patchify_grounded: through its keypoints alone)
     state_dropout: float = 0.0  # probability of hiding the end-effector pose from the policy per training sample
     augment_shift: int = 4  # random-shift augmentation in training (pixels); 0 disables
     text_position_jitter: bool = False  # instructions start at a random word position in training (tiny backbone)

@@ -56,6 +56,10 @@ class VLAConfig:
     # patchify_grounded: weight of its locators' cell classification on the pixel labels (`where_target`) beside the
     # aux loss in SFT; keypoint 0 learns the named target, 1 the goal, the others stay free. 0: no pixel supervision.
     where_weight: float = 1.0
+    # How the instruction reaches the rest of the policy: "pooled" (its pooled word feature modulates every camera's
+    # convs (FiLM) and joins the fused feature) or "locator" (patchify_grounded only: through the locators' keypoints
+    # alone, FiLM and the fused feature see a constant; held-out paraphrases then move nothing but where it points).
+    instruction_input: str = "pooled"
     state_dropout: float = 0.0  # training only: per-sample probability of zeroing the normalised EE pose (state[:7])
     augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables
     # Training only, tiny backbone (ours): instructions start at a random word position, and this share of them get
@@ -111,6 +115,11 @@ class VLAConfig:
         if self.aux_input == "keypoints" and (self.vision_encoder != "patchify_grounded" or self.backbone != "tiny"):
             raise ValueError("VLAConfig.aux_input 'keypoints' reads the keypoints of vision_encoder 'patchify_grounded' "
                              f"(tiny backbone); got vision_encoder {self.vision_encoder!r}, backbone {self.backbone!r}")
+        if self.instruction_input not in ("pooled", "locator"):
+            raise ValueError(f"VLAConfig.instruction_input must be 'pooled' or 'locator'; got {self.instruction_input!r}")
+        if self.instruction_input == "locator" and (self.vision_encoder != "patchify_grounded" or self.backbone != "tiny"):
+            raise ValueError("VLAConfig.instruction_input 'locator' passes the instruction through the locators of vision_encoder "
+                             f"'patchify_grounded' (tiny backbone); got vision_encoder {self.vision_encoder!r}, backbone {self.backbone!r}")
         if not 0.0 <= self.state_dropout < 1.0:
             raise ValueError(f"VLAConfig.state_dropout must be in [0, 1); got {self.state_dropout}")
         if not 0.0 <= self.text_filler_words <= 1.0:

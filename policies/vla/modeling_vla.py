@@ -354,6 +354,8 @@ class VLAPolicy(ChunkedActing, nn.Module):
         # Word-order augmentations of the instruction, in training only (off by default: VLAConfig).
         ids, mask = self.tokenizer(list(batch["task"]), self.device, filler_words=self.config.text_filler_words if self.training else 0.0)
         words, text = self.text(ids, mask, jitter_positions=self.training and self.config.text_position_jitter)
+        if self.config.instruction_input == "locator":
+            text = torch.zeros_like(text)  # the locators read `words`; FiLM and the fused feature see a constant
         cameras, logits = [], {}
         for cam in self.config.cameras:
             encoder, (image, _) = self.vision[cam], images[cam]
