@@ -14,7 +14,8 @@ among a distractor and two plates, the instruction read by the VLA's word encode
 
 Last line: one JSON object, per encoder the held-out median and mean error in pixels (and the training error), and
 patchify_over_best, patchify's held-out median error over the best encoder's. `patchify_grounded` runs twice: read by a
-linear head like the others, and `patchify_grounded_direct`, its first keypoint trained to classify the labelled cell.
+linear head like the others, and `patchify_grounded_direct`, its first keypoint trained to classify the cells around the
+label (soft labels, as the policy trains it), beside `..._hard_cells` (the one cell holding it) and soft_over_hard_cells.
 """
 
 from __future__ import annotations
@@ -75,13 +76,14 @@ def named_object_frames(n: int, seed: int, *, image_size: int = 64) -> tuple[np.
 
 
 def probe(encoder: str, train: tuple, test: tuple, *, steps: int, batch_size: int = 32, lr: float = 1e-3, seed: int = 0,
-          direct: bool = False, **config) -> dict[str, float]:  # fmt: skip
+          direct: bool = False, hard_cells: bool = False, **config) -> dict[str, float]:  # fmt: skip
     """Train `encoder` (a VLAConfig.vision_encoder, with `config` overrides) and a linear head to regress the pixel
     position; its errors in pixels on `test` (median, mean) and on the last training batches (rms). `train` and `test`
     are (frames, pixels) or, for a named object, (frames, pixels, instructions): the VLA's word encoder then reads the
     instruction and modulates the convs (FiLM), as in the policy. An encoder with keypoints is read through its
     coordinates alone (as `aux_input="keypoints"` reads them); `direct`: its first keypoint *is* the prediction, with
-    no head in between, its cells trained to classify the one that holds the label (`InstructionLocator.cell_of`)."""
+    no head in between, its cells trained to classify the ones around the label (`InstructionLocator.cell_distribution`,
+    as the policy trains it), or with `hard_cells` the one cell that holds it (the policy until 12-07: the reference)."""
     from policies.vla.configuration_vla import VLAConfig
     from policies.vla.modeling_vla import VISION_ENCODERS
     from policies.vla.text import HashTokenizer, TextEncoder
@@ -117,7 +119,12 @@ def probe(encoder: str, train: tuple, test: tuple, *, steps: int, batch_size: in
     def cell_loss(idx: torch.Tensor) -> torch.Tensor:  # direct: the first keypoint classifies the labelled cell
         _, per_word, mask = instruction("train", idx)
         logits = net.locator.logits(net.inputs(images["train"][idx]), per_word, mask)[:, 0]
-        return torch.nn.functional.cross_entropy(logits, net.locator.cell_of(targets["train"][idx] / (size / 2) - 1))
+        xy = targets["train"][idx] / (size / 2) - 1
+        if hard_cells:
+            side = int(np.sqrt(logits.shape[-1]))
+            cell = ((xy + 1) / 2 * side).long().clamp(0, side - 1)
+            return torch.nn.functional.cross_entropy(logits, cell[:, 1] * side + cell[:, 0])
+        return -(net.locator.cell_distribution(xy) * logits.log_softmax(-1)).sum(-1).mean()
 
     losses = []
     for _ in range(steps):
@@ -157,16 +164,21 @@ def main() -> None:
     train, test = frames(args.frames, 0, image_size=args.image_size), frames(256, 1, image_size=args.image_size)
     out: dict = {"frames": args.frames, "steps": args.steps, "image_size": args.image_size, "named": args.named,
                  "label_spread_px": round(float(test[1].std(0).mean()), 2)}  # fmt: skip
-    # Each encoder read by a linear head; the grounded one also with its first keypoint's cells classified directly.
-    arms = [(e, e, False) for e in encoders] + [("patchify_grounded_direct", "patchify_grounded", True)] * ("patchify_grounded" in encoders)
-    for name, encoder, direct in arms:
+    # Each encoder read by a linear head; the grounded one also with its first keypoint's cells classified directly,
+    # on soft labels (as the policy trains it) and on the one cell holding the label (the reference).
+    arms = [(e, e, False, False) for e in encoders]
+    if "patchify_grounded" in encoders:
+        arms += [("patchify_grounded_direct", "patchify_grounded", True, False), ("patchify_grounded_direct_hard_cells", "patchify_grounded", True, True)]
+    for name, encoder, direct, hard_cells in arms:
         t = time.time()
-        out[name] = probe(encoder, train, test, steps=args.steps, direct=direct) | {"seconds": round(time.time() - t, 1)}
+        out[name] = probe(encoder, train, test, steps=args.steps, direct=direct, hard_cells=hard_cells) | {"seconds": round(time.time() - t, 1)}
         print(name, out[name], flush=True)
-    best = min((name for name, _, _ in arms), key=lambda e: out[e]["test_median_px"])
+    best = min((name for name, *_ in arms), key=lambda e: out[e]["test_median_px"])
     if "patchify" in encoders and best != "patchify":
         out["patchify_over_best"] = round(out["patchify"]["test_median_px"] / out[best]["test_median_px"], 2)
         out["best"] = best
+    if "patchify_grounded" in encoders:
+        out["soft_over_hard_cells"] = round(out["patchify_grounded_direct"]["test_median_px"] / out["patchify_grounded_direct_hard_cells"]["test_median_px"], 2)
     out["seconds"] = round(time.time() - start, 1)
     print(json.dumps(out))
 

@@ -148,21 +148,21 @@ def test_random_shift_reports_where_the_content_moved():
 
 
 def test_the_where_loss_classifies_the_labelled_cell_and_skips_what_is_out_of_view():
-    """where_loss: cross-entropy of keypoint 0 on the target's cell and keypoint 1 on the goal's, per camera, averaged
-    over the labels in view. Known answers on hand-made cell scores: near 0 where the scores peak at the labelled
-    cells, about the peak's height where they peak elsewhere, 0 for a sample whose labels are all unknown, and a
-    label moved by the augmentation shift is scored at its new cell."""
+    """where_loss: cross-entropy of keypoint 0 on the target's cells and keypoint 1 on the goal's, per camera,
+    averaged over the labels in view. Known answers on hand-made cell scores (labels on grid points, so that each is
+    one cell): near 0 where the scores peak at the labelled cells, about the peak's height where they peak elsewhere,
+    0 for a sample whose labels are all unknown, and a label moved by the augmentation shift is scored at its new cell."""
     from policies.vla.modeling_vla import AuxFeatures
 
     config = tiny_config(vision_encoder="patchify_grounded", keypoints=3)
     model = VLAPolicy(config).eval()
     locator = model.vision[config.cameras[0]].locator
     cells = locator.grid.shape[0]
-    target = torch.tensor([[0.3, -0.5], [-0.7, 0.6]])  # target, goal in every camera
+    right = torch.tensor([2 * int(cells**0.5) + 5, 6 * int(cells**0.5) + 1])  # target, goal cells
+    target = locator.grid[right]  # in every camera
     where = target.expand(4, len(config.cameras), 2, 2).clone()
     where[2] = float("nan")  # no label: a recording
     where[3, :, 1] = 2.0  # the goal out of view
-    right = locator.cell_of(target)
     logits = torch.zeros(4, 3, cells)
     logits[:, 0, right[0]] = logits[:, 1, right[1]] = 30.0
     logits[1, 0, right[0]] = 0.0
@@ -173,6 +173,32 @@ def test_the_where_loss_classifies_the_labelled_cell_and_skips_what_is_out_of_vi
     assert loss[0] < 1e-6 and loss[3] < 1e-6 and loss[2] == 0
     torch.testing.assert_close(loss[1], torch.tensor(15.0), atol=1e-3, rtol=0)  # (30 + 0) / 2 labels
     side = int(cells**0.5)
-    moved = {cam: torch.tensor([[2.0 / side, 0.0]]).expand(4, 2) for cam in config.cameras}  # one cell to the right
+    moved = {cam: torch.tensor([[2.0 / (side - 1), 0.0]]).expand(4, 2) for cam in config.cameras}  # one cell to the right
     shifted = model.where_loss({"where_target": where}, AuxFeatures(aux.head, aux.where_logits, moved))
     assert shifted[0] > 10  # the scores stayed, the label moved on
+
+
+def test_the_locator_is_taught_to_point_below_a_cell():
+    """The where_loss's soft labels (`cell_distribution`) have the labelled position as their expected coordinates,
+    anywhere in the image (borders included); free cell scores trained on them point there to a hundredth of a
+    cell, where a one-hot label on the cell holding the position leaves them at that cell's grid point."""
+    from policies.vla.modeling_vla import expected_coordinates
+
+    torch.manual_seed(0)
+    locator = VLAPolicy(tiny_config(vision_encoder="patchify_grounded", keypoints=2)).vision["agentview"].locator
+    grid, side = locator.grid, int(locator.grid.shape[0] ** 0.5)
+    positions = torch.cat([torch.rand(64, 2) * 2 - 1, torch.tensor([[-1.0, -1.0], [1.0, 1.0], [1.0, -0.97]])])
+    labels = locator.cell_distribution(positions)
+    assert torch.allclose(labels.sum(-1), torch.ones(len(positions))) and (labels >= 0).all()
+    torch.testing.assert_close(labels @ grid, positions, atol=1e-5, rtol=0)
+    logits = torch.zeros(len(positions), grid.shape[0], requires_grad=True)
+    optimizer = torch.optim.Adam([logits], lr=0.5)
+    for _ in range(300):
+        loss = -(labels * logits.log_softmax(-1)).sum(-1).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    pointed = expected_coordinates(logits.detach()[:, None], grid).view(-1, 2)
+    assert (pointed - positions).abs().max() < 0.01 * 2 / (side - 1)
+    hard = ((positions + 1) / 2 * side).long().clamp(0, side - 1)
+    assert (grid[hard[:, 1] * side + hard[:, 0]] - positions).abs().max() > 0.5 * 2 / (side - 1)  # what one-hot cells teach

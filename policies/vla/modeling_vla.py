@@ -135,7 +135,7 @@ class InstructionLocator(nn.Module):
     over the instruction's words (the words naming the object, or the plate), the attended words become a query that
     scores every cell of a small conv map at image_size / 4 (overlapping 3x3 convs, so a 3-pixel cube is not cut by a
     patch border), and the softmax over cells gives the query's expected (x, y). Scoring cells against words is what
-    grounds: trained as a classification of the cell that holds the named object (`cell_of`), it finds it among two
+    grounds: trained as a classification of the cells around the named object (`cell_distribution`), it finds it among two
     to under 2 px within a few hundred steps, where FiLM-modulated keypoints never did; regressing its coordinates
     plateaus, and through a learned head it does not learn (benchmarks/localisation_probe.py --named)."""
 
@@ -160,12 +160,23 @@ class InstructionLocator(nn.Module):
         queries = self.query(reading @ words)  # (B, keypoints, width)
         return (queries @ keys) * (self.temperature * 4 / math.sqrt(keys.shape[1]))
 
-    def cell_of(self, positions: Tensor) -> Tensor:
-        """The cell (row-major index) holding each image position (x, y) in [-1, 1] (the convention of the
-        coordinates and of the simulator's `privileged.*_pixels`): a keypoint's class label."""
+    def cell_distribution(self, positions: Tensor) -> Tensor:
+        """Each image position (x, y) in [-1, 1] (the convention of the coordinates and of the simulator's
+        `privileged.*_pixels`) as weights (..., cells) on the four cells around it, bilinear in the grid's own
+        coordinates: the distribution whose expected coordinates are the position itself, a keypoint's soft class
+        label. A one-hot label on the cell holding the position trains the expected (x, y) to that cell's grid point:
+        up to 2 px off at 64 px inside the image, 4 px at its borders (benchmarks/RESULTS.md)."""
         side = int(math.isqrt(self.grid.shape[0]))
-        cell = ((positions + 1) / 2 * side).long().clamp(0, side - 1)
-        return cell[..., 1] * side + cell[..., 0]
+        index = (positions.clamp(-1, 1) + 1) / 2 * (side - 1)  # continuous (column, row) on the grid
+        low = index.floor().clamp(max=side - 2)
+        frac, low = index - low, low.long()
+        weights = torch.zeros(*positions.shape[:-1], side * side, device=positions.device, dtype=positions.dtype)
+        for dy in (0, 1):
+            for dx in (0, 1):
+                cell = (low[..., 1] + dy) * side + low[..., 0] + dx
+                w = (frac[..., 0] if dx else 1 - frac[..., 0]) * (frac[..., 1] if dy else 1 - frac[..., 1])
+                weights.scatter_add_(-1, cell[..., None], w[..., None])
+        return weights
 
 
 class GroundedPatchifyEncoder(FiLMConvEncoder):
@@ -459,8 +470,9 @@ class VLAPolicy(ChunkedActing, nn.Module):
         return loss
 
     def where_loss(self, batch: Mapping[str, Any], aux_features: AuxFeatures) -> Tensor:
-        """Per-sample cross-entropy (B,) of each grounded camera's keypoints 0 and 1 on the cells holding the named
-        target and goal (`where_target`, moved with the image's augmentation shift), averaged over the labels in
+        """Per-sample cross-entropy (B,) of each grounded camera's keypoints 0 and 1 on the cells around the named
+        target and goal (`where_target`, moved with the image's augmentation shift; soft labels:
+        `InstructionLocator.cell_distribution`), averaged over the labels in
         view; 0 for a sample with none. Classifying the cell is what teaches the locator to point
         (benchmarks/localisation_probe.py --named): regressing its coordinates plateaus."""
         target = torch.as_tensor(batch["where_target"], device=self.device, dtype=torch.float32)
@@ -473,8 +485,8 @@ class VLAPolicy(ChunkedActing, nn.Module):
             roles = min(logits.shape[1], target.shape[2])
             xy = target[:, c, :roles] + aux_features.shift[cam][:, None]
             valid = torch.isfinite(xy).all(-1) & (xy.abs() <= 1).all(-1)  # (B, roles)
-            cells = self.vision[cam].locator.cell_of(torch.nan_to_num(xy).clamp(-1, 1))
-            ce = F.cross_entropy(logits[:, :roles].flatten(0, 1), cells.flatten(), reduction="none").view_as(valid)
+            labels = self.vision[cam].locator.cell_distribution(torch.nan_to_num(xy))
+            ce = -(labels * logits[:, :roles].log_softmax(-1)).sum(-1)
             total = total + (ce * valid).sum(-1)
             count = count + valid.sum(-1)
         return total / count.clamp(min=1)
