@@ -178,6 +178,20 @@ def learning_threads(cfg: Any) -> Iterator[None]:
         torch.set_num_threads(cfg.threads)
 
 
+def busy_cores_note(learner_threads: int, *, load: float | None = None, cores: int | None = None) -> str | None:
+    """What to say when a run starts on a busy machine (None: its learner fits in the cores the load leaves free): its
+    learner would take every core (`learner_threads` 0) or more than are free, and two learners on shared cores ran
+    7-11x slower a step than one alone here. `load` (default: the 1-minute load average) and `cores` (the cores this process may use)."""
+    load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else (load or 0.0)
+    cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    free = max(1, cores - round(load))
+    if round(load) < 1 or (learner_threads or cores) <= free:
+        return None
+    return (f"the CPUs are busy before this run starts (1-minute load {load:.1f} on {cores} cores): its learner's "
+            f"{learner_threads or cores} threads would share them with the other work, each step several times slower; "
+            "give each run side by side --learner_threads 1, or run them one at a time")
+
+
 def available_threads() -> int:
     """OMP_NUM_THREADS where it is set (torchrun sets 1 for several ranks on one machine; the test workers and
     `vla_rl.py --jobs` too), else the cores this process may run on."""

@@ -573,6 +573,19 @@ def test_learner_threads_default_to_omp_num_threads_else_the_usable_cores(monkey
         load_config(None, ["--learner_threads", "-1"])
 
 
+def test_a_run_started_on_busy_cores_says_to_give_each_learner_one_thread():
+    """Two runs side by side, each learner on every core, ran 7-11x slower a step than one alone: a run starting on a
+    machine whose load already fills its cores says so, unless its learner fits in what is free."""
+    from kinema.common import busy_cores_note
+
+    assert busy_cores_note(0, load=0.3, cores=2) is None  # an idle machine
+    note = busy_cores_note(0, load=1.9, cores=2)
+    assert note and "load 1.9 on 2 cores" in note and "learner's 2 threads" in note and "--learner_threads 1" in note
+    assert busy_cores_note(1, load=1.9, cores=2) is None  # one thread: what the note asks for
+    assert "learner's 4 threads" in busy_cores_note(4, load=6.2, cores=8)  # 2 cores free, 4 asked for
+    assert busy_cores_note(2, load=5.6, cores=8) is None
+
+
 def test_an_unmeasured_kind_of_work_takes_its_kins_pace_scaled_as_their_priors():
     """Before a run's first rollout, its evaluations' measured pace prices the rollouts, scaled by what each costs
     (an evaluation renders a quarter of the frames a rollout records); nothing measured: the prior."""

@@ -29,6 +29,7 @@ from diffusion_rl.data import Episode
 from diffusion_rl.data.lerobot_v3 import read_episodes
 from kinema.common import (
     Run,
+    busy_cores_note,
     interrupt_note,
     learning_threads,
     progress_bar,
@@ -152,8 +153,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, console: Console | None = N
     start_round = state["round"] + 1 if latest else 1
     pace = RunPace(planned_work(cfg, method_class, start_round=start_round, fresh=not latest, final_done=state.get("final_done", False)))
     console.print(start_panel(cfg, method_class, run.root, latest, pace, start_round=start_round))
-    if advice := cfg.policy.advice():
-        console.print(f"[yellow]note: {advice}[/yellow]")
+    for note in (cfg.policy.advice(), busy_cores_note(cfg.learner_threads)):
+        if note:
+            console.print(f"[yellow]note: {note}[/yellow]")
     bar = progress_bar(console, transient=True)  # what stays on screen is the lines and the table at the end
     progress = RunProgress(bar, pace)
     bar.start()
