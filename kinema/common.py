@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import os
 import tempfile
 import time
@@ -184,8 +185,9 @@ def busy_cores_note(learner_threads: int, *, load: float | None = None, cores: i
     7-11x slower a step than one alone here. `load` (default: the 1-minute load average) and `cores` (the cores this process may use)."""
     load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else (load or 0.0)
     cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    free = max(1, cores - round(load))
-    if round(load) < 1 or (learner_threads or cores) <= free:
+    busy = math.floor(load)  # a core counts as busy at a whole unit of load: the average lags work that just ended
+    free = max(1, cores - busy)
+    if busy < 1 or (learner_threads or cores) <= free:
         return None
     return (f"the CPUs are busy before this run starts (1-minute load {load:.1f} on {cores} cores): its learner's "
             f"{learner_threads or cores} threads would share them with the other work, each step several times slower; "

@@ -579,6 +579,7 @@ def test_a_run_started_on_busy_cores_says_to_give_each_learner_one_thread():
     from kinema.common import busy_cores_note
 
     assert busy_cores_note(0, load=0.3, cores=2) is None  # an idle machine
+    assert busy_cores_note(0, load=0.7, cores=2) is None  # or one whose last run just ended
     note = busy_cores_note(0, load=1.9, cores=2)
     assert note and "load 1.9 on 2 cores" in note and "learner's 2 threads" in note and "--learner_threads 1" in note
     assert busy_cores_note(1, load=1.9, cores=2) is None  # one thread: what the note asks for
