@@ -124,7 +124,7 @@ def probe(encoder: str, train: tuple, test: tuple, *, steps: int, batch_size: in
             side = int(np.sqrt(logits.shape[-1]))
             cell = ((xy + 1) / 2 * side).long().clamp(0, side - 1)
             return torch.nn.functional.cross_entropy(logits, cell[:, 1] * side + cell[:, 0])
-        return -(net.locator.cell_distribution(xy) * logits.log_softmax(-1)).sum(-1).mean()
+        return net.locator.cell_loss(logits, xy).mean()
 
     losses = []
     for _ in range(steps):

@@ -178,6 +178,11 @@ class InstructionLocator(nn.Module):
                 weights.scatter_add_(-1, cell[..., None], w[..., None])
         return weights
 
+    def cell_loss(self, logits: Tensor, positions: Tensor) -> Tensor:
+        """Cross-entropy (...) of cell scores (..., cells) on the soft labels of `positions` (..., 2): what teaches
+        a keypoint to point (the policy's `where_loss`, benchmarks/localisation_probe.py)."""
+        return F.cross_entropy(logits.flatten(0, -2), self.cell_distribution(positions).flatten(0, -2), reduction="none").view(positions.shape[:-1])
+
 
 class GroundedPatchifyEncoder(FiLMConvEncoder):
     """The patchify encoder's features (*what*), followed by an `InstructionLocator`'s coordinates (*where* the
@@ -472,9 +477,9 @@ class VLAPolicy(ChunkedActing, nn.Module):
     def where_loss(self, batch: Mapping[str, Any], aux_features: AuxFeatures) -> Tensor:
         """Per-sample cross-entropy (B,) of each grounded camera's keypoints 0 and 1 on the cells around the named
         target and goal (`where_target`, moved with the image's augmentation shift; soft labels:
-        `InstructionLocator.cell_distribution`), averaged over the labels in
-        view; 0 for a sample with none. Classifying the cell is what teaches the locator to point
-        (benchmarks/localisation_probe.py --named): regressing its coordinates plateaus."""
+        `InstructionLocator.cell_loss`), averaged over the labels in view; 0 for a sample with none. Classifying
+        cells is what teaches the locator to point (benchmarks/localisation_probe.py --named): regressing its
+        coordinates plateaus."""
         target = torch.as_tensor(batch["where_target"], device=self.device, dtype=torch.float32)
         total = torch.zeros(target.shape[0], device=self.device)
         count = torch.zeros_like(total)
@@ -485,8 +490,7 @@ class VLAPolicy(ChunkedActing, nn.Module):
             roles = min(logits.shape[1], target.shape[2])
             xy = target[:, c, :roles] + aux_features.shift[cam][:, None]
             valid = torch.isfinite(xy).all(-1) & (xy.abs() <= 1).all(-1)  # (B, roles)
-            labels = self.vision[cam].locator.cell_distribution(torch.nan_to_num(xy))
-            ce = -(labels * logits[:, :roles].log_softmax(-1)).sum(-1)
+            ce = self.vision[cam].locator.cell_loss(logits[:, :roles], torch.nan_to_num(xy))
             total = total + (ce * valid).sum(-1)
             count = count + valid.sum(-1)
         return total / count.clamp(min=1)
