@@ -22,6 +22,8 @@ def _add_sim_commands(sub: argparse._SubParsersAction) -> None:
     collect.add_argument("--out", required=True, help="dataset folder: new, or an existing kinema dataset to extend")
     collect.add_argument("--overwrite", action="store_true", help="replace an existing kinema dataset instead of extending it")
     collect.add_argument("--expert-noise", type=float, default=0.0, help="std of Gaussian action noise (0 = clean)")
+    collect.add_argument("--expert-perturb", type=float, default=0.0,
+                         help="DART: std of slowly varying noise on the executed command, the clean one recorded (0 = off)")
     collect.add_argument("--hesitation", type=float, default=0.0, help="per-step probability of a pause")
     collect.add_argument("--wrong-grasp", type=float, default=0.0, help="per-episode probability of a mis-aimed grasp")
     collect.add_argument("--demo-source", choices=("scripted", "teleop"), default="scripted",

@@ -72,8 +72,8 @@ def _task_config(text: str) -> dict[str, Any] | None:
 
 def _expert_config(args: argparse.Namespace) -> ExpertConfig:
     return ExpertConfig(
-        noise=args.expert_noise, hesitation=getattr(args, "hesitation", 0.0), wrong_grasp=getattr(args, "wrong_grasp", 0.0),
-        operator=getattr(args, "demo_source", "scripted"),
+        noise=args.expert_noise, perturb=getattr(args, "expert_perturb", 0.0), hesitation=getattr(args, "hesitation", 0.0),
+        wrong_grasp=getattr(args, "wrong_grasp", 0.0), operator=getattr(args, "demo_source", "scripted"),
     )
 
 

@@ -9,6 +9,10 @@ Competence knobs, for mixed-quality demonstrations:
 - `hesitation`: per-step probability of starting a pause of a few idle steps;
 - `wrong_grasp`: per-episode probability that the first grasp is aimed a few cm off the object.
 
+`perturb` is not a competence knob but DART's (Laskey et al. 2017): slowly varying noise is added to the command the
+arm *executes*, while the action recorded for imitation stays the expert's clean command at the state the noise led
+to (`ScriptedExpert.label`). The demos then show how to return from the off-path states a learner's own errors reach.
+
 `operator="teleop"` plays the plan the way a person at a teleoperation rig does (`TeleopConfig`): slower, with
 pauses, hesitant back-offs and detours on the way; every decision stays the expert's, so it still succeeds.
 """
@@ -54,23 +58,31 @@ class TeleopConfig:
 
 
 OPERATORS = ("scripted", "teleop")
+APPROACHES = ("gate", "funnel")
 
 
 @dataclass
 class ExpertConfig:
     noise: float = 0.0  # std of Gaussian action noise
+    perturb: float = 0.0  # stationary std of Ornstein-Uhlenbeck noise on the executed command only (DART; the label stays clean)
     hesitation: float = 0.0  # per-step probability of a pause
     wrong_grasp: float = 0.0  # per-episode probability of a mis-aimed first grasp
     operator: str = "scripted"  # scripted | teleop: the plan played as a teleoperator would (`teleop`)
+    # How a grasp comes down onto its object: gate (hold the height until within 8 mm and 0.1 rad, then descend) |
+    # funnel (the height allowed grows with the distance in the plane, a cone over the object: every state's command
+    # is a smooth function of it, and a gripper found low and off to one side is told to rise along the cone)
+    approach: str = "gate"
     teleop: TeleopConfig = field(default_factory=TeleopConfig)
 
     def __post_init__(self) -> None:
-        for name in ("noise", "hesitation", "wrong_grasp"):
+        for name in ("noise", "perturb", "hesitation", "wrong_grasp"):
             value = getattr(self, name)
             if not (value >= 0 and np.isfinite(value)):
                 raise ValueError(f"ExpertConfig.{name} must be a finite number >= 0; got {value}")
         if self.hesitation > 1 or self.wrong_grasp > 1:
             raise ValueError("ExpertConfig.hesitation and wrong_grasp are probabilities in [0, 1]")
+        if self.approach not in APPROACHES:
+            raise ValueError(f"ExpertConfig.approach must be one of {', '.join(APPROACHES)}; got {self.approach!r}")
         if self.operator not in OPERATORS:
             raise ValueError(f"ExpertConfig.operator must be one of {', '.join(OPERATORS)}; got {self.operator!r}")
 
@@ -113,6 +125,8 @@ class ScriptedExpert:
             self.mis_aim = 0.035 * np.array([np.cos(angle), np.sin(angle)])
         # Drawn after the expert's own draws, so that a scripted expert's episodes are what they always were.
         self.operator = Teleoperator(self.config.teleop, self.rng) if self.config.operator == "teleop" else None
+        self.perturbation = np.zeros(6)
+        self.label: np.ndarray | None = None  # the clean command of the last call, what a demonstration records
 
     # Set by `plan()`: the move it returned is a transit through free space (no contact, no fine alignment), where a
     # teleoperator's detours, back-offs and jitter cannot spoil the task.
@@ -140,7 +154,16 @@ class ScriptedExpert:
             self.pause = int(self.rng.integers(3, 9))
         if self.config.noise:
             action[:6] += self.rng.normal(0.0, self.config.noise, 6)
-        return np.clip(action, -1.0, 1.0).astype(np.float32)
+        self.label = np.clip(action, -1.0, 1.0).astype(np.float32)
+        if not self.config.perturb:
+            return self.label.copy()
+        # Correlation 0.8 per step (about 5 steps, a quarter of a second): the arm drifts off the path for a while, as
+        # a learner's compounding error takes it, rather than jittering about it. Innovation std 0.6 sigma keeps the
+        # process's stationary std at sigma.
+        self.perturbation = 0.8 * self.perturbation + self.rng.normal(0.0, 0.6 * self.config.perturb, 6)
+        executed = self.label.copy()
+        executed[:6] = np.clip(executed[:6] + self.perturbation, -1.0, 1.0)
+        return executed
 
     def move(self, target: np.ndarray, yaw: float, gripper: float, *, speed: float = 1.0) -> np.ndarray:
         # Proportional control that eases in near the target: abrupt stops with an object in hand make it slip.
@@ -218,6 +241,8 @@ class PickPlaceExpert(ScriptedExpert):
         yaw_err = abs(env.ee_yaw() - yaw) % period
         yaw_err = min(yaw_err, period - yaw_err)
         hover_z = obj[2] + 0.09
+        if self.config.approach == "funnel":
+            return self.funnel(ee, aim, yaw, xy_err, yaw_err, grasp_z, hover_z)
         if xy_err > 0.008 or yaw_err > 0.1:
             self.transit = xy_err > 0.03
             if ee[2] < obj[2] + 0.05 and xy_err > 0.03:
@@ -227,6 +252,17 @@ class PickPlaceExpert(ScriptedExpert):
             return np.array([aim[0], aim[1], grasp_z]), yaw, OPEN
         self.closing = 1
         return np.array([aim[0], aim[1], grasp_z]), yaw, CLOSED
+
+    def funnel(self, ee, aim, yaw, xy_err, yaw_err, grasp_z, hover_z) -> tuple[np.ndarray, float, float]:
+        # Fingertips stay above the object's top (2.5 cm over grasp_z) until within 2 cm in the plane and 0.15 rad in yaw.
+        cone_z = grasp_z + min(2.0 * max(xy_err - 0.008, 0.0) + min(0.03, 0.3 * max(yaw_err - 0.05, 0.0)), hover_z - grasp_z)
+        self.transit = xy_err > 0.03
+        if xy_err > 0.03 and ee[2] < cone_z - 0.02:  # low and off to one side: straight up first, not through the object
+            return np.array([ee[0], ee[1], cone_z]), yaw, OPEN
+        if xy_err <= 0.008 and yaw_err <= 0.1 and ee[2] <= grasp_z + 0.01:
+            self.closing = 1
+            return np.array([aim[0], aim[1], grasp_z]), yaw, CLOSED
+        return np.array([aim[0], aim[1], cone_z]), yaw, OPEN
 
 
 class PushExpert(ScriptedExpert):

@@ -27,7 +27,8 @@ from sim.experts import ExpertConfig, make_expert
 
 
 class DemoWrapper(gym.Wrapper):
-    """Every step is the scripted expert's; whatever action is passed in is ignored."""
+    """Every step is the scripted expert's; whatever action is passed in is ignored. The recorded action is the
+    expert's clean command (`ScriptedExpert.label`): the executed one unless `ExpertConfig.perturb` (DART) adds noise."""
 
     def __init__(self, env: TabletopEnv, expert: ExpertConfig | None = None, *, seed: int | None = None) -> None:
         super().__init__(env)
@@ -47,7 +48,7 @@ class DemoWrapper(gym.Wrapper):
         executed = self.expert()
         obs, reward, terminated, truncated, info = self.env.step(executed)
         self.steps += 1
-        info["action"] = executed
+        info["action"] = self.expert.label
         info["executed_by"] = ExecutedBy.HUMAN
         if terminated or truncated:
             info["segment_labels"] = np.full(self.steps, Segment.HUMAN, np.int8)

@@ -9,6 +9,7 @@ from diffusion_rl.data import ExecutedBy, Segment
 from sim.experts import ExpertConfig
 from sim.monitor import MonitorConfig
 from sim.rollout import collect, collect_demos, make_vector
+from sim.tasks import make
 from sim.vector import InProcessVector
 
 
@@ -32,6 +33,23 @@ def test_demos_are_labelled_human_and_succeed():
         assert ep.privileged["privileged.objects"].shape[0] == len(ep)
         # Observation t is what the expert saw before action t: the first state is the reset state.
         assert ep.reward.sum() == 1.0 and ep.reward[-1] == 1.0
+
+
+def test_dart_demos_record_the_clean_command_not_the_executed_one():
+    """demos with ExpertConfig.perturb: each step's recorded action is the expert's clean command at the state the
+    perturbed run reached. From the same reset the first label equals the unperturbed demo's; the states part after."""
+    plain = collect_demos("pick_place", 1, seeds=[5], num_envs=1, image_size=32)[0]
+    dart = collect_demos("pick_place", 1, seeds=[5], num_envs=1, image_size=32, expert=ExpertConfig(perturb=0.3))[0]
+    np.testing.assert_array_equal(dart.action[0], plain.action[0])
+    state = "observation.state"
+    assert not np.allclose(dart.observations[state][1:6], plain.observations[state][1:6])
+    # The recorded label is not what moved the arm: replaying the labels from the same reset reaches other states.
+    env = make("pick_place", image_size=32)
+    env.reset(seed=5)
+    for action in dart.action[:10]:
+        obs, *_ = env.step(action)
+    assert not np.allclose(obs[state], dart.observations[state][10], atol=1e-4)
+    env.close()
 
 
 def test_process_vector_matches_in_process_vector():

@@ -105,9 +105,63 @@ def test_teleop_operator_is_slower_than_the_expert_and_still_succeeds(task):
     assert len({n for _, n in teleop}) > TELEOP_SEEDS // 3
 
 
+def test_dart_perturbation_moves_the_arm_and_keeps_the_clean_label():
+    """ExpertConfig.perturb (DART): the executed command carries slowly varying noise, the label is what the same
+    expert without it commands at every state the noise led to; the perturbed expert still succeeds."""
+    env = make("pick_place", cameras=())
+    obs, _ = env.reset(seed=2)
+    perturbed = make_expert(env, ExpertConfig(perturb=0.3), seed=2)
+    clean = make_expert(env, ExpertConfig(), seed=2)  # follows the same states, commands without noise
+    gaps = []
+    for _ in range(20):
+        executed = perturbed(obs)
+        np.testing.assert_array_equal(perturbed.label, clean(obs))
+        gaps.append(np.abs(executed[:6] - perturbed.label[:6]).max())
+        assert executed[6] == perturbed.label[6]  # the gripper is never perturbed
+        obs, *_ = env.step(executed)
+    assert min(gaps) > 0 and np.mean(gaps) > 0.1
+    # Correlated over steps: the arm drifts off the path rather than jittering about it.
+    drift = perturbed.perturbation
+    assert np.abs(drift).max() > 0
+    results = [run_expert(env, seed, ExpertConfig(perturb=0.05)) for seed in range(10)]
+    assert np.mean([ok for ok, _ in results]) >= 0.9
+
+
+def test_funnel_approach_succeeds_and_recovers_from_low_off_to_one_side():
+    """approach="funnel": the height allowed over the object grows with the distance in the plane. The expert
+    succeeds as the gate expert does, and a gripper found low and 5 cm to one side of its object is told to rise
+    (the gate expert's demos never reach that state)."""
+    env = make("pick_place", cameras=())
+    results = [run_expert(env, seed, ExpertConfig(approach="funnel")) for seed in range(20)]
+    assert np.mean([ok for ok, _ in results]) >= 0.95
+    env.reset(seed=1)
+    expert = make_expert(env, ExpertConfig(approach="funnel"), seed=1)
+    u = env.unwrapped
+    obj = u.body_pos(u.target.body)
+    ee = u.ee_pos()
+    # Drive the gripper down beside the object (P-control on the end effector, as the expert's `move` does).
+    side = obj[:2] + np.array([0.0, 0.05]) if obj[1] < 0.1 else obj[:2] - np.array([0.0, 0.05])
+    for _ in range(60):
+        action = expert.move(np.array([side[0], side[1], obj[2] + 0.02]), expert.home_yaw(), -1.0)
+        env.step(action)
+    ee = u.ee_pos()
+    assert ee[2] - obj[2] < 0.04 and np.linalg.norm(ee[:2] - obj[:2]) > 0.03
+    command = expert()
+    assert command[2] > 0.5 and np.abs(command[:2]).max() < 0.2, f"not straight up: {command[:3]}"
+    # Far above, it comes down toward the object and the object at once (a cone, not a hold-then-drop).
+    env.reset(seed=1)
+    expert.reset()
+    command = expert()
+    assert command[2] < -0.3 and np.linalg.norm(command[:2]) > 0.1
+
+
 def test_teleop_settings_are_checked():
     with pytest.raises(ValueError, match="ExpertConfig.operator must be one of scripted, teleop; got 'human'"):
         ExpertConfig(operator="human")
+    with pytest.raises(ValueError, match="ExpertConfig.approach must be one of gate, funnel; got 'dive'"):
+        ExpertConfig(approach="dive")
+    with pytest.raises(ValueError, match="ExpertConfig.perturb must be a finite number >= 0"):
+        ExpertConfig(perturb=-0.1)
     with pytest.raises(ValueError, match=r"TeleopConfig.speed must be a range \(low, high\)"):
         TeleopConfig(speed=(0.6, 0.3))
     with pytest.raises(ValueError, match="TeleopConfig.detour is a probability"):

@@ -10,6 +10,7 @@ method's options are a group of their own (`rl.habc.*`, `rl.ppo.*`, ...), declar
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,7 +20,7 @@ import draccus
 from kinema.train.actor import REPLAY_MIXING
 from kinema.train.methods import METHODS, RLMethod
 from kinema.train.methods.base import HUMAN_STEPS
-from sim.experts import OPERATORS
+from sim.experts import APPROACHES, OPERATORS
 
 
 DEMO_WEIGHTINGS = ("uniform", "return")
@@ -31,6 +32,11 @@ DEMO_INSTRUCTIONS = ("as_collected", "equivalent")
 class DemoConfig:
     episodes: int = 40  # scripted demonstrations for SFT: the knob that places the SFT baseline (README, shipped configs)
     noise: float = 0.05  # expert action noise: clean demos are what a flow head copies well
+    # DART (Laskey et al. 2017): stationary std of slowly varying noise on the command the expert executes, its clean
+    # command recorded as the label, so that the demos show recoveries from off-path states (0: off)
+    perturb: float = 0.0
+    # How the pick-and-place expert comes down onto an object: gate | funnel (`sim.experts.ExpertConfig.approach`)
+    approach: str = "gate"
     hesitation: float = 0.0
     wrong_grasp: float = 0.0
     source: str = "scripted"  # scripted (the expert) | teleop: a simulated teleoperator's slower, hesitant, detouring demos
@@ -429,6 +435,10 @@ class TrainConfig:
             raise ValueError(f"demos.temperature is in steps and must be > 0; got {self.demos.temperature}")
         if self.demos.source not in OPERATORS:
             raise ValueError(f"demos.source {self.demos.source!r} is not known; valid: {', '.join(OPERATORS)}")
+        if self.demos.approach not in APPROACHES:
+            raise ValueError(f"demos.approach {self.demos.approach!r} is not known; valid: {', '.join(APPROACHES)}")
+        if not (self.demos.perturb >= 0 and math.isfinite(self.demos.perturb)):
+            raise ValueError(f"demos.perturb is a noise std in action units and must be a finite number >= 0; got {self.demos.perturb}")
         if self.demos.episodes < 1 and not self.dataset:
             raise ValueError(f"demos.episodes must be >= 1 (or give a dataset); got {self.demos.episodes}")
         if not 0.0 <= self.policy.ema_decay < 1.0:

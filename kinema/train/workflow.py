@@ -183,6 +183,9 @@ def _train(
         del demo_options[key]
     if demo_options["source"] == "scripted":  # as runs from before demos.source recorded their settings
         del demo_options["source"]
+    for key, default in (("perturb", 0.0), ("approach", "gate")):  # as runs from before these options
+        if demo_options[key] == default:
+            del demo_options[key]
     demo_settings = {"demos": demo_options, "task_config": cfg.task_config, "image_size": cfg.policy.image_size}
     if cfg.dataset:
         if (Path(cfg.dataset) / "dataset" / "meta" / "info.json").exists():
@@ -207,8 +210,9 @@ def _train(
         with progress.phase("demonstrations (episodes)", cfg.demos.episodes, kind="demo"):
             demos = collect_demos(
                 cfg.task, cfg.demos.episodes, seeds=demo_seeds,
-                expert=ExpertConfig(noise=cfg.demos.noise, hesitation=cfg.demos.hesitation, wrong_grasp=cfg.demos.wrong_grasp,
-                                operator=cfg.demos.source),
+                expert=ExpertConfig(noise=cfg.demos.noise, perturb=cfg.demos.perturb, approach=cfg.demos.approach,
+                                    hesitation=cfg.demos.hesitation, wrong_grasp=cfg.demos.wrong_grasp,
+                                    operator=cfg.demos.source),
                 num_envs=cfg.num_envs, num_workers=cfg.workers, image_size=cfg.policy.image_size,
                 config=cfg.task_config or None, on_episode=lambda ep: progress.advance(),
             )  # fmt: skip
