@@ -1,6 +1,9 @@
 """Is the policy short of *where* or of *how*? The VLA trained twice on the same demonstrations: as it is, and with
 the true positions of the named object and the goal appended to its state (an oracle no robot has). If the oracle
 succeeds, the gap is perception (finding what the instruction names); if it fails too, it is the control.
+`--arms plain,oracle,pixel_oracle` adds the oracle given what a perfect locator would give instead: the target's and
+the goal's pixel positions in the agentview image (2D, where the grounded encoder's keypoints 0 and 1 point), so that
+the grounded policy's gap splits into its locator's error and what 2D image points leave the action head to learn.
 
 Both arms: the default VLA (64 px), the same demos, batch 64, AdamW at 3e-4 on a cosine schedule, the acting
 average; each scored on the same evaluation seeds (training templates, strict success, sampled initial noise per
@@ -24,6 +27,12 @@ import numpy as np
 import torch
 
 PRIVILEGED = ("privileged.target_pos", "privileged.goal_pos")
+# What each arm appends to its state, from the simulator (none: the plain VLA).
+ARMS = {
+    "plain": (),
+    "oracle": PRIVILEGED,
+    "pixel_oracle": ("privileged.target_pixels.agentview", "privileged.goal_pixels.agentview"),
+}
 
 
 def at_image_size(episodes: list, image_size: int) -> list:
@@ -38,17 +47,19 @@ def at_image_size(episodes: list, image_size: int) -> list:
     return episodes
 
 
-def train(episodes: list, *, oracle: bool, steps: int, seed: int) -> torch.nn.Module:
-    """SFT of the default VLA; with `oracle`, its state is the end-effector pose and the privileged positions."""
+def train(episodes: list, *, oracle: bool | tuple[str, ...], steps: int, seed: int) -> torch.nn.Module:
+    """SFT of the default VLA; with `oracle` (True: the true positions, or the privileged keys to read), its state is
+    the end-effector pose and those privileged values."""
     from kinema.train.actor import actor_updates, ema_update, policy_optimizer
     from kinema.train.buffer import StepBuffer
     from policies.vla import VLAConfig, VLAPolicy
 
-    if oracle:
+    keys = privileged_keys(oracle)
+    if keys:
         episodes = [copy.copy(ep) for ep in episodes]
         for ep in episodes:
             ep.observations = {**ep.observations, "observation.state": np.concatenate(
-                [ep.observations["observation.state"], *(ep.privileged[k] for k in PRIVILEGED)], axis=1).astype(np.float32)}  # fmt: skip
+                [ep.observations["observation.state"], *(ep.privileged[k] for k in keys)], axis=1).astype(np.float32)}  # fmt: skip
     buffer = StepBuffer.from_episodes(episodes, ("agentview", "wrist"))
     torch.manual_seed(seed)
     config = VLAConfig(state_dim=buffer.state.shape[1], aux_dim=0 if buffer.aux is None else buffer.aux.shape[1])
@@ -69,12 +80,17 @@ def train(episodes: list, *, oracle: bool, steps: int, seed: int) -> torch.nn.Mo
     return acting.eval()
 
 
-def evaluate(policy: torch.nn.Module, task: str, episodes: int, *, oracle: bool) -> dict[str, float]:
+def privileged_keys(oracle: bool | tuple[str, ...]) -> tuple[str, ...]:
+    return PRIVILEGED if oracle is True else tuple(oracle or ())
+
+
+def evaluate(policy: torch.nn.Module, task: str, episodes: int, *, oracle: bool | tuple[str, ...]) -> dict[str, float]:
     """Success and wrong-target rates on the first `episodes` evaluation seeds, one env, chunks as configured."""
     from kinema.train.evaluate import EVAL_SEED_OFFSET
     from sim.rollout import make_env
 
     env, config = make_env(task, image_size=policy.config.image_size), policy.config
+    keys = privileged_keys(oracle)
     outcomes = []
     for e in range(episodes):
         obs, _ = env.reset(seed=EVAL_SEED_OFFSET + e)
@@ -83,9 +99,9 @@ def evaluate(policy: torch.nn.Module, task: str, episodes: int, *, oracle: bool)
         for _ in range(env.config.horizon):
             if not queue:
                 state = obs["observation.state"]
-                if oracle:
-                    privileged = env.privileged()
-                    state = np.concatenate([state, *(privileged[k] for k in PRIVILEGED)])
+                if keys:
+                    privileged = env.privileged_with_pixels()
+                    state = np.concatenate([state, *(privileged[k] for k in keys)])
                 batch = {k: torch.as_tensor(v[None]) for k, v in obs.items() if k.startswith("observation.images.")}
                 batch |= {"observation.state": torch.as_tensor(state[None], dtype=torch.float32), "task": [obs["task"]]}
                 chunk = policy.predict_action_chunk(batch, noise=torch.randn(1, config.chunk_size, config.action_dim, generator=noise))
@@ -108,8 +124,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12000)
     parser.add_argument("--episodes", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arms", default="plain,oracle", help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--quick", action="store_true", help="12 fresh scripted demos, 100 steps, 5 episodes")
     args = parser.parse_args()
+    arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    unknown = [arm for arm in arms if arm not in ARMS]
+    if unknown or not arms:
+        parser.error(f"--arms {args.arms!r}: {'unknown ' + ', '.join(unknown) if unknown else 'no arm given'}; valid: {', '.join(ARMS)}")
     if not args.quick and not args.demos:
         parser.error("--demos DIR is needed (or --quick, which collects 12 demos itself)")
     os.environ.setdefault("MUJOCO_GL", "egl")
@@ -127,16 +148,18 @@ def main() -> None:
     demos = [ep for ep in demos if ep.outcome]
     if not demos:
         raise SystemExit(f"{args.demos or 'the collected demos'}: no successful demonstration to imitate")
-    if missing := [k for k in PRIVILEGED if k not in demos[0].privileged]:
+    if missing := [k for arm in arms for k in ARMS[arm] if k not in demos[0].privileged]:
         raise SystemExit(f"{args.demos}: the demonstrations hold no {missing}; the oracle needs the simulator's positions")
     demos = at_image_size(demos, 64)
     out: dict = {"task": args.task, "demos": len(demos), "steps": args.steps, "episodes": args.episodes, "seed": args.seed}
-    for arm, oracle in (("plain", False), ("oracle", True)):
+    for arm in arms:
         t = time.time()
-        policy = train(demos, oracle=oracle, steps=args.steps, seed=args.seed)
-        out[arm] = evaluate(policy, args.task, args.episodes, oracle=oracle) | {"seconds": round(time.time() - t, 1)}
+        policy = train(demos, oracle=ARMS[arm], steps=args.steps, seed=args.seed)
+        out[arm] = evaluate(policy, args.task, args.episodes, oracle=ARMS[arm]) | {"seconds": round(time.time() - t, 1)}
         print(arm, out[arm], flush=True)
-    out["oracle_minus_plain"] = round(out["oracle"]["success"] - out["plain"]["success"], 3)
+    for arm in arms:
+        if arm != "plain" and "plain" in arms:
+            out[f"{arm}_minus_plain"] = round(out[arm]["success"] - out["plain"]["success"], 3)
     out["seconds"] = round(time.time() - start, 1)
     print(json.dumps(out))
 
