@@ -47,19 +47,18 @@ def at_image_size(episodes: list, image_size: int) -> list:
     return episodes
 
 
-def train(episodes: list, *, oracle: bool | tuple[str, ...], steps: int, seed: int) -> torch.nn.Module:
-    """SFT of the default VLA; with `oracle` (True: the true positions, or the privileged keys to read), its state is
-    the end-effector pose and those privileged values."""
+def train(episodes: list, *, privileged: tuple[str, ...], steps: int, seed: int) -> torch.nn.Module:
+    """SFT of the default VLA; its state is the end-effector pose followed by the `privileged` values (an arm of
+    `ARMS`; none: the plain VLA)."""
     from kinema.train.actor import actor_updates, ema_update, policy_optimizer
     from kinema.train.buffer import StepBuffer
     from policies.vla import VLAConfig, VLAPolicy
 
-    keys = privileged_keys(oracle)
-    if keys:
+    if privileged:
         episodes = [copy.copy(ep) for ep in episodes]
         for ep in episodes:
             ep.observations = {**ep.observations, "observation.state": np.concatenate(
-                [ep.observations["observation.state"], *(ep.privileged[k] for k in keys)], axis=1).astype(np.float32)}  # fmt: skip
+                [ep.observations["observation.state"], *(ep.privileged[k] for k in privileged)], axis=1).astype(np.float32)}  # fmt: skip
     buffer = StepBuffer.from_episodes(episodes, ("agentview", "wrist"))
     torch.manual_seed(seed)
     config = VLAConfig(state_dim=buffer.state.shape[1], aux_dim=0 if buffer.aux is None else buffer.aux.shape[1])
@@ -80,17 +79,12 @@ def train(episodes: list, *, oracle: bool | tuple[str, ...], steps: int, seed: i
     return acting.eval()
 
 
-def privileged_keys(oracle: bool | tuple[str, ...]) -> tuple[str, ...]:
-    return PRIVILEGED if oracle is True else tuple(oracle or ())
-
-
-def evaluate(policy: torch.nn.Module, task: str, episodes: int, *, oracle: bool | tuple[str, ...]) -> dict[str, float]:
+def evaluate(policy: torch.nn.Module, task: str, episodes: int, *, privileged: tuple[str, ...]) -> dict[str, float]:
     """Success and wrong-target rates on the first `episodes` evaluation seeds, one env, chunks as configured."""
     from kinema.train.evaluate import EVAL_SEED_OFFSET
     from sim.rollout import make_env
 
     env, config = make_env(task, image_size=policy.config.image_size), policy.config
-    keys = privileged_keys(oracle)
     outcomes = []
     for e in range(episodes):
         obs, _ = env.reset(seed=EVAL_SEED_OFFSET + e)
@@ -99,9 +93,9 @@ def evaluate(policy: torch.nn.Module, task: str, episodes: int, *, oracle: bool 
         for _ in range(env.config.horizon):
             if not queue:
                 state = obs["observation.state"]
-                if keys:
-                    privileged = env.privileged_with_pixels()
-                    state = np.concatenate([state, *(privileged[k] for k in keys)])
+                if privileged:
+                    values = env.privileged_with_pixels()
+                    state = np.concatenate([state, *(values[k] for k in privileged)])
                 batch = {k: torch.as_tensor(v[None]) for k, v in obs.items() if k.startswith("observation.images.")}
                 batch |= {"observation.state": torch.as_tensor(state[None], dtype=torch.float32), "task": [obs["task"]]}
                 chunk = policy.predict_action_chunk(batch, noise=torch.randn(1, config.chunk_size, config.action_dim, generator=noise))
@@ -154,8 +148,8 @@ def main() -> None:
     out: dict = {"task": args.task, "demos": len(demos), "steps": args.steps, "episodes": args.episodes, "seed": args.seed}
     for arm in arms:
         t = time.time()
-        policy = train(demos, oracle=ARMS[arm], steps=args.steps, seed=args.seed)
-        out[arm] = evaluate(policy, args.task, args.episodes, oracle=ARMS[arm]) | {"seconds": round(time.time() - t, 1)}
+        policy = train(demos, privileged=ARMS[arm], steps=args.steps, seed=args.seed)
+        out[arm] = evaluate(policy, args.task, args.episodes, privileged=ARMS[arm]) | {"seconds": round(time.time() - t, 1)}
         print(arm, out[arm], flush=True)
     for arm in arms:
         if arm != "plain" and "plain" in arms:

@@ -23,13 +23,13 @@ def test_the_oracle_reads_the_true_positions_in_training_and_in_the_episode():
     torch.set_num_threads(1)
     demos = at_image_size(collect_demos("pick_place", 2), 64)
     state = demos[0].observations["observation.state"].copy()
-    plain, oracle = train(demos, oracle=False, steps=2, seed=0), train(demos, oracle=True, steps=2, seed=0)
+    plain, oracle = train(demos, privileged=ARMS["plain"], steps=2, seed=0), train(demos, privileged=ARMS["oracle"], steps=2, seed=0)
     assert plain.config.state_dim == state.shape[1] and oracle.config.state_dim == state.shape[1] + 6
     np.testing.assert_array_equal(demos[0].observations["observation.state"], state)  # the demos are left as they were
     # the oracle's state normalisation covers the appended positions: their mean is the demos' mean position
     positions = np.concatenate([np.concatenate([ep.privileged[k] for k in PRIVILEGED], 1) for ep in demos])
     np.testing.assert_allclose(oracle.state_mean[-6:].numpy(), positions.mean(0), atol=1e-5)
-    result = evaluate(oracle, "pick_place", 1, oracle=True)
+    result = evaluate(oracle, "pick_place", 1, privileged=ARMS["oracle"])
     assert set(result) == {"success", "wrong_target"} and 0 <= result["success"] <= 1
 
 
@@ -42,14 +42,14 @@ def test_the_pixel_oracle_reads_the_agentview_pixel_labels_at_every_decision():
     torch.set_num_threads(1)
     demos = at_image_size(collect_demos("pick_place", 2), 64)
     keys = ARMS["pixel_oracle"]
-    policy = train(demos, oracle=keys, steps=2, seed=0)
+    policy = train(demos, privileged=keys, steps=2, seed=0)
     assert policy.config.state_dim == demos[0].observations["observation.state"].shape[1] + 4
     pixels = np.concatenate([np.concatenate([ep.privileged[k] for k in keys], 1) for ep in demos])
     np.testing.assert_allclose(policy.state_mean[-4:].numpy(), pixels.mean(0), atol=1e-5)
     seen = []
     act = policy.predict_action_chunk
     policy.predict_action_chunk = lambda batch, **kw: seen.append(batch["observation.state"][0, -4:].numpy()) or act(batch, **kw)
-    evaluate(policy, "pick_place", 1, oracle=keys)
+    evaluate(policy, "pick_place", 1, privileged=keys)
     env = make_env("pick_place", image_size=64)
     _, info = env.reset(seed=EVAL_SEED_OFFSET)
     np.testing.assert_allclose(seen[0], np.concatenate([info["privileged"][k] for k in keys]), atol=1e-6)
