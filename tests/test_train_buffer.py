@@ -69,3 +69,9 @@ def test_the_buffer_carries_each_cameras_pixel_labels_and_none_for_a_recording_w
     batch = buffer.batch(np.array([0, len(demo)]), chunk_size=4)
     np.testing.assert_array_equal(batch["where_target"][0].numpy(), labels[0])
     assert torch.isnan(batch["where_target"][1]).all()
+    stats = buffer.stats()  # per camera, over the steps the label is in view (the recording's NaNs left out)
+    for c, cam in enumerate(cameras):
+        if np.isfinite(labels[:, c]).all(-1).any(0).all():
+            np.testing.assert_allclose(stats[f"where_target.{cam}"]["mean"], np.nanmean(labels[:, c], 0), rtol=1e-6)
+            assert np.isfinite(stats[f"where_target.{cam}"]["std"]).all()
+    assert "where_target.agentview" in stats

@@ -172,4 +172,9 @@ class StepBuffer:
                "action": {"mean": self.action.mean(0), "std": self.action.std(0)}}  # fmt: skip
         if self.aux is not None:
             out["aux"] = {"mean": self.aux.mean(0), "std": self.aux.std(0)}
+        if self.where is not None:  # each camera's pixel labels (roles, 2), over the steps where they are in view
+            for c, cam in enumerate(self.images):
+                labels = self.where[:, c]
+                if np.isfinite(labels).all(-1).any(0).all():
+                    out[f"where_target.{cam}"] = {"mean": np.nanmean(labels, 0), "std": np.nanstd(labels, 0)}
         return out

@@ -215,6 +215,8 @@ class VLAOptions(PolicyOptions):
     keypoints: int = 32  # spatial_softmax, patchify_grounded: (x, y) keypoints per camera
     where_weight: float = 1.0  # patchify_grounded: its locators classify the named target's / goal's cell (pixel labels) in SFT
     instruction_input: str = "pooled"  # "pooled" (FiLM + fused feature) | "locator" (patchify_grounded: through its keypoints alone)
+    # patchify_grounded: cameras whose target and goal points join the state (detached, as the pixel oracle's labels), e.g. [agentview]
+    state_points: tuple[str, ...] = ()
     state_dropout: float = 0.0  # probability of hiding the end-effector pose from the policy per training sample
     augment_shift: int = 4  # random-shift augmentation in training (pixels); 0 disables
     text_position_jitter: bool = False  # instructions start at a random word position in training (tiny backbone)

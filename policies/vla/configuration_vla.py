@@ -60,6 +60,12 @@ class VLAConfig:
     # convs (FiLM) and joins the fused feature) or "locator" (patchify_grounded only: through the locators' keypoints
     # alone, FiLM and the fused feature see a constant; held-out paraphrases then move nothing but where it points).
     instruction_input: str = "pooled"
+    # patchify_grounded: cameras whose locator's target and goal points (keypoints 0 and 1) reach the policy through the
+    # state, as the pixel oracle's true labels do (benchmarks/privileged_oracle.py): normalised by the pixel labels'
+    # statistics, joined to the proprio state before its MLP, and detached, so that only the cell loss moves the
+    # locator. Those cameras' coordinates then leave the fused feature. Empty: every camera's coordinates sit among
+    # its features (the flow loss reaches the locator through them).
+    state_points: tuple[str, ...] = ()
     state_dropout: float = 0.0  # training only: per-sample probability of zeroing the normalised EE pose (state[:7])
     augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables
     # Training only, tiny backbone (ours): instructions start at a random word position, and this share of them get
@@ -94,6 +100,7 @@ class VLAConfig:
     def __post_init__(self) -> None:
         self.cameras = tuple(self.cameras)
         self.vision_channels = tuple(self.vision_channels)
+        self.state_points = tuple(self.state_points)
         if self.n_action_steps < 1 or self.n_action_steps > self.chunk_size:
             raise ValueError(
                 f"VLAConfig.n_action_steps must be in [1, chunk_size={self.chunk_size}]; got {self.n_action_steps}"
@@ -120,6 +127,12 @@ class VLAConfig:
         if self.instruction_input == "locator" and (self.vision_encoder != "patchify_grounded" or self.backbone != "tiny"):
             raise ValueError("VLAConfig.instruction_input 'locator' passes the instruction through the locators of vision_encoder "
                              f"'patchify_grounded' (tiny backbone); got vision_encoder {self.vision_encoder!r}, backbone {self.backbone!r}")
+        if self.state_points and (self.vision_encoder != "patchify_grounded" or self.backbone != "tiny" or self.keypoints < 2):
+            raise ValueError("VLAConfig.state_points passes the target and goal points (keypoints 0 and 1) of vision_encoder "
+                             "'patchify_grounded' (tiny backbone, keypoints >= 2) to the state; got vision_encoder "
+                             f"{self.vision_encoder!r}, backbone {self.backbone!r}, keypoints {self.keypoints}")
+        if unknown := [cam for cam in self.state_points if cam not in self.cameras]:
+            raise ValueError(f"VLAConfig.state_points names cameras {unknown} the policy does not read; its cameras: {list(self.cameras)}")
         if not 0.0 <= self.state_dropout < 1.0:
             raise ValueError(f"VLAConfig.state_dropout must be in [0, 1); got {self.state_dropout}")
         if not 0.0 <= self.text_filler_words <= 1.0:
@@ -172,6 +185,6 @@ class VLAConfig:
     ARCHITECTURE_FIELDS = (
         "backbone", "cameras", "image_size", "state_dim", "action_dim", "chunk_size", "vision_encoder", "vision_channels", "keypoints", "vision_dim",
         "text_dim", "text_layers", "max_words", "ngram_buckets", "state_hidden", "hidden_dim", "expert_hidden",
-        "expert_layers", "aux_dim", "aux_input", "lora_rank", "backbone_layers", "backbone_image_size", "lora_alpha", "lora_targets",
+        "expert_layers", "aux_dim", "aux_input", "state_points", "lora_rank", "backbone_layers", "backbone_image_size", "lora_alpha", "lora_targets",
         "freeze_vision", "max_text_tokens", "pool_queries", "advantage_input",
     )  # fmt: skip

@@ -217,6 +217,8 @@ class AuxFeatures(NamedTuple):
     shift: dict[str, Tensor]
 
 
+POINT_DIM = 4  # what a camera's `state_points` add to the state: the target's (x, y), then the goal's
+
 VISION_ENCODERS = {"patchify": FiLMConvEncoder, "spatial_softmax": SpatialSoftmaxEncoder, "patchify_grounded": GroundedPatchifyEncoder}
 
 
@@ -302,16 +304,19 @@ class VLAPolicy(ChunkedActing, nn.Module):
             self.tokenizer = HashTokenizer(config.ngram_buckets, config.max_words)
             self.text = TextEncoder(config.ngram_buckets, config.text_dim, config.text_layers, config.max_words)
             self.vision = nn.ModuleDict({cam: VISION_ENCODERS[config.vision_encoder](config) for cam in config.cameras})
-            self.state_mlp = nn.Sequential(nn.Linear(config.state_dim, config.state_hidden), nn.GELU())
+            points = POINT_DIM * len(config.state_points)
+            self.state_mlp = nn.Sequential(nn.Linear(config.state_dim + points, config.state_hidden), nn.GELU())
             self.where_dim = sum(encoder.where_dim for encoder in self.vision.values())
-            fused = config.vision_dim * len(config.cameras) + self.where_dim + config.text_dim + config.state_hidden
+            # the coordinates among the camera features: all but those of the cameras whose points go to the state
+            self.fused_where_dim = sum(encoder.where_dim for cam, encoder in self.vision.items() if cam not in config.state_points)
+            fused = config.vision_dim * len(config.cameras) + self.fused_where_dim + config.text_dim + config.state_hidden
             self.fuse = nn.Sequential(
                 nn.Linear(fused, config.hidden_dim), nn.GELU(), nn.Linear(config.hidden_dim, config.hidden_dim), nn.GELU()
             )
         self.expert = ActionExpert(config)
         aux_in = config.hidden_dim
         if self.prefix is None and config.aux_input == "perception":
-            aux_in = config.vision_dim * len(config.cameras) + self.where_dim + config.text_dim
+            aux_in = config.vision_dim * len(config.cameras) + self.fused_where_dim + config.text_dim
         elif self.prefix is None and config.aux_input == "keypoints":
             aux_in = self.where_dim
         self.aux_head = (
@@ -323,6 +328,9 @@ class VLAPolicy(ChunkedActing, nn.Module):
         self.register_buffer("state_std", torch.ones(config.state_dim))
         self.register_buffer("aux_mean", torch.zeros(max(config.aux_dim, 1)))
         self.register_buffer("aux_std", torch.ones(max(config.aux_dim, 1)))
+        if config.state_points:  # the pixel labels' statistics normalise the points the state carries
+            self.register_buffer("points_mean", torch.zeros(POINT_DIM * len(config.state_points)))
+            self.register_buffer("points_std", torch.ones(POINT_DIM * len(config.state_points)))
         self._queue: deque[np.ndarray] = deque()
 
     # ----- normalisation ----------------------------------------------------------------------------------------
@@ -334,6 +342,10 @@ class VLAPolicy(ChunkedActing, nn.Module):
         if self.config.aux_dim and "aux" in stats:
             self.aux_mean.copy_(torch.as_tensor(np.asarray(stats["aux"]["mean"]).reshape(-1), dtype=torch.float32))
             self.aux_std.copy_(torch.as_tensor(np.asarray(stats["aux"]["std"]).reshape(-1), dtype=torch.float32).clamp(min=1e-3))
+        for c, cam in enumerate(self.config.state_points):
+            if (labels := stats.get(f"where_target.{cam}")) is not None:
+                self.points_mean[c * POINT_DIM : (c + 1) * POINT_DIM] = torch.as_tensor(np.asarray(labels["mean"]).reshape(-1), dtype=torch.float32)
+                self.points_std[c * POINT_DIM : (c + 1) * POINT_DIM] = torch.as_tensor(np.asarray(labels["std"]).reshape(-1), dtype=torch.float32).clamp(min=1e-3)
 
     # ----- encoders ----------------------------------------------------------------------------------------------
     @property
@@ -372,18 +384,24 @@ class VLAPolicy(ChunkedActing, nn.Module):
         words, text = self.text(ids, mask, jitter_positions=self.training and self.config.text_position_jitter)
         if self.config.instruction_input == "locator":
             text = torch.zeros_like(text)  # the locators read `words`; FiLM and the fused feature see a constant
-        cameras, logits = [], {}
+        cameras, logits, where, points = [], {}, [], []
         for cam in self.config.cameras:
             encoder, (image, _) = self.vision[cam], images[cam]
             if encoder.where_dim:
                 features, logits[cam] = encoder.forward_with_logits(image, text, words, mask)
+                where.append(features[:, features.shape[1] - encoder.where_dim :])
+                if cam in self.config.state_points:
+                    points.append(where[-1][:, :POINT_DIM].detach())  # keypoints 0 and 1: target, goal
+                    features = features[:, : features.shape[1] - encoder.where_dim]
             else:
                 features = encoder(image, text, words, mask)
             cameras.append(features)
+        if points:
+            state = torch.cat([state, (torch.cat(points, dim=-1) - self.points_mean) / self.points_std], dim=-1)
         perception = torch.cat([*cameras, text], dim=-1)
         context = self.fuse(torch.cat([perception, self.state_mlp(state)], dim=-1))
         if self.config.aux_input == "keypoints":
-            head = torch.cat([f[:, f.shape[1] - self.vision[cam].where_dim :] for cam, f in zip(self.config.cameras, cameras)], dim=-1)
+            head = torch.cat(where, dim=-1)
         else:
             head = perception if self.config.aux_input == "perception" else context
         return context, AuxFeatures(head, logits, {cam: images[cam][1] for cam in logits})
