@@ -206,28 +206,26 @@ def test_the_locator_is_taught_to_point_below_a_cell():
 
 def test_state_points_give_the_state_the_locators_target_and_goal_points_normalised_and_out_of_the_flow_losss_reach(tmp_path):
     """state_points=("agentview",): the agentview locator's keypoints 0 and 1 (target, goal) join the state before
-    its MLP, normalised by the pixel labels' statistics, as the pixel oracle's true labels do; they are detached and
-    leave the camera's features, so the flow loss does not move that locator (its cell loss does), while the wrist's
-    coordinates still sit among its features. The normalisation travels in the checkpoint."""
+    its MLP, normalised by the pixel labels' statistics and with training's random shift taken back out (the points
+    then say where the object is in the camera's own frame, as the pixel oracle's true labels do); they are detached
+    and leave the camera's features, so the flow loss does not move that locator (its cell loss does), while the
+    wrist's coordinates still sit among its features. The normalisation travels in the checkpoint."""
     torch.manual_seed(0)
-    config = tiny_config(vision_encoder="patchify_grounded", keypoints=3, state_points=("agentview",))
+    config = tiny_config(vision_encoder="patchify_grounded", keypoints=3, state_points=("agentview",), augment_shift=4,
+                         aux_input="keypoints", aux_dim=2)  # fmt: skip
     model = VLAPolicy(config)
     mean, std = np.array([[0.1, -0.2], [0.3, 0.4]]), np.array([[0.5, 0.25], [0.2, 0.1]])
     model.set_normalization({"observation.state": {"mean": np.zeros(8), "std": np.ones(8)},
                              "where_target.agentview": {"mean": mean, "std": std}})  # fmt: skip
-    model.eval()
     batch = fake_batch(config=config)
     seen = {}
     model.state_mlp.register_forward_hook(lambda module, inputs, output: seen.update(state=inputs[0]))
-    context = model.features(batch)
-    ids, mask = model.tokenizer(batch["task"])
-    words, text = model.text(ids, mask)
-    encoder = model.vision["agentview"]
-    features, _ = encoder.forward_with_logits(model._image(batch, "agentview")[0], text, words, mask)
-    points = features[:, -encoder.where_dim :][:, :4]  # (x, y) of keypoint 0, then keypoint 1
-    assert seen["state"].shape == (6, 8 + 4)
-    torch.testing.assert_close(seen["state"][:, 8:], (points - torch.tensor(mean, dtype=torch.float32).reshape(-1)) / torch.tensor(std, dtype=torch.float32).reshape(-1))
-    model.train()
+    _, aux = model.encode(batch)  # training: the images are shifted, and the points with them
+    located = aux.head[:, :4]  # the agentview's (x, y) of keypoint 0, then keypoint 1 (aux_input="keypoints")
+    shift = aux.shift["agentview"]
+    assert seen["state"].shape == (6, 8 + 4) and shift.abs().sum() > 0
+    expected = (located - shift.repeat(1, 2) - torch.tensor(mean, dtype=torch.float32).reshape(-1)) / torch.tensor(std, dtype=torch.float32).reshape(-1)
+    torch.testing.assert_close(seen["state"][:, 8:], expected)
     model.flow_loss(batch).mean().backward()
     agentview, wrist = model.vision["agentview"].locator, model.vision["wrist"].locator
     assert all(p.grad is None or not p.grad.any() for p in agentview.parameters())
@@ -235,9 +233,11 @@ def test_state_points_give_the_state_the_locators_target_and_goal_points_normali
     model.zero_grad()
     labels = torch.full((6, 2, 2, 2), float("nan"))
     labels[:, 0] = torch.tensor([[0.2, -0.1], [-0.5, 0.3]])
+    model.config.where_weight = 1.0
     model.aux_loss({**batch, "where_target": labels}, model.encode(batch)[1]).mean().backward()
     assert any(p.grad is not None and p.grad.any() for p in agentview.parameters())
     model.eval()
+    context = model.features(batch)
     model.save_pretrained(str(tmp_path / "ckpt"))
     loaded = VLAPolicy.from_pretrained(str(tmp_path / "ckpt")).eval()
     torch.testing.assert_close(loaded.points_std, model.points_std)

@@ -62,8 +62,9 @@ class VLAConfig:
     instruction_input: str = "pooled"
     # patchify_grounded: cameras whose locator's target and goal points (keypoints 0 and 1) reach the policy through the
     # state, as the pixel oracle's true labels do (benchmarks/privileged_oracle.py): normalised by the pixel labels'
-    # statistics, joined to the proprio state before its MLP, and detached, so that only the cell loss moves the
-    # locator. Those cameras' coordinates then leave the fused feature. Empty: every camera's coordinates sit among
+    # statistics, in the unshifted image's frame (training's random shift taken back out), joined to the proprio
+    # state before its MLP, and detached, so that only the cell loss moves the locator. Those cameras' coordinates
+    # then leave the fused feature. Empty: every camera's coordinates sit among
     # its features (the flow loss reaches the locator through them).
     state_points: tuple[str, ...] = ()
     state_dropout: float = 0.0  # training only: per-sample probability of zeroing the normalised EE pose (state[:7])

@@ -391,7 +391,9 @@ class VLAPolicy(ChunkedActing, nn.Module):
                 features, logits[cam] = encoder.forward_with_logits(image, text, words, mask)
                 where.append(features[:, features.shape[1] - encoder.where_dim :])
                 if cam in self.config.state_points:
-                    points.append(where[-1][:, :POINT_DIM].detach())  # keypoints 0 and 1: target, goal
+                    # keypoints 0 and 1 (target, goal) in the unshifted image: the augmentation's shift moves the points
+                    # with the image, and would tell the head the object is up to `augment_shift` pixels off
+                    points.append((where[-1][:, :POINT_DIM] - images[cam][1].repeat(1, 2)).detach())
                     features = features[:, : features.shape[1] - encoder.where_dim]
             else:
                 features = encoder(image, text, words, mask)
