@@ -246,3 +246,26 @@ def test_state_points_give_the_state_the_locators_target_and_goal_points_normali
         tiny_config(state_points=("agentview",))
     with pytest.raises(ValueError, match=r"state_points names cameras \['front'\] the policy does not read"):
         tiny_config(vision_encoder="patchify_grounded", state_points=("front",))
+
+
+def test_with_state_points_training_labels_the_policy_trains_on_the_pixel_labels_and_acts_on_its_locators_points():
+    """Teacher forcing: in training the state's points are the samples' pixel labels (the locator's where a label is
+    missing, NaN); acting reads the locator's points whatever the batch holds."""
+    torch.manual_seed(0)
+    config = tiny_config(vision_encoder="patchify_grounded", keypoints=2, state_points=("agentview",), state_points_training="labels",
+                         aux_input="keypoints", aux_dim=2)  # fmt: skip
+    model = VLAPolicy(config)
+    seen = {}
+    model.state_mlp.register_forward_hook(lambda module, inputs, output: seen.update(state=inputs[0]))
+    batch = fake_batch(config=config)
+    labels = torch.full((6, 2, 2, 2), float("nan"))
+    labels[:3, 0] = torch.tensor([[0.2, -0.1], [-0.5, 0.3]])
+    batch["where_target"] = labels
+    located = model.encode(batch)[1].head[:, :4]
+    torch.testing.assert_close(seen["state"][:3, 8:], labels[:3, 0].reshape(3, 4))
+    torch.testing.assert_close(seen["state"][3:, 8:], located[3:])
+    model.eval()
+    located = model.encode(batch)[1].head[:, :4]
+    torch.testing.assert_close(seen["state"][:, 8:], located)
+    with pytest.raises(ValueError, match="state_points_training must be 'located' or 'labels'; got 'true'"):
+        tiny_config(vision_encoder="patchify_grounded", state_points=("agentview",), state_points_training="true")

@@ -217,6 +217,7 @@ class VLAOptions(PolicyOptions):
     instruction_input: str = "pooled"  # "pooled" (FiLM + fused feature) | "locator" (patchify_grounded: through its keypoints alone)
     # patchify_grounded: cameras whose target and goal points join the state (detached, as the pixel oracle's labels), e.g. [agentview]
     state_points: tuple[str, ...] = ()
+    state_points_training: str = "located"  # what those points are in SFT: "located" (the locator's) | "labels" (the sim's pixel labels)
     state_dropout: float = 0.0  # probability of hiding the end-effector pose from the policy per training sample
     augment_shift: int = 4  # random-shift augmentation in training (pixels); 0 disables
     text_position_jitter: bool = False  # instructions start at a random word position in training (tiny backbone)

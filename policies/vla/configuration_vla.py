@@ -67,6 +67,10 @@ class VLAConfig:
     # then leave the fused feature. Empty: every camera's coordinates sit among
     # its features (the flow loss reaches the locator through them).
     state_points: tuple[str, ...] = ()
+    # Training only: what those points are while the policy trains. "located" (the locator's own) or "labels" (the
+    # simulator's pixel labels where a sample has them, teacher forcing: the head learns to read exact points, as the
+    # pixel oracle's does; acting always reads the locator's). benchmarks/RESULTS.md has what each gives.
+    state_points_training: str = "located"
     state_dropout: float = 0.0  # training only: per-sample probability of zeroing the normalised EE pose (state[:7])
     augment_shift: int = 4  # random-shift augmentation (pixels) in training; 0 disables
     # Training only, tiny backbone (ours): instructions start at a random word position, and this share of them get
@@ -132,6 +136,8 @@ class VLAConfig:
             raise ValueError("VLAConfig.state_points passes the target and goal points (keypoints 0 and 1) of vision_encoder "
                              "'patchify_grounded' (tiny backbone, keypoints >= 2) to the state; got vision_encoder "
                              f"{self.vision_encoder!r}, backbone {self.backbone!r}, keypoints {self.keypoints}")
+        if self.state_points_training not in ("located", "labels"):
+            raise ValueError(f"VLAConfig.state_points_training must be 'located' or 'labels'; got {self.state_points_training!r}")
         if unknown := [cam for cam in self.state_points if cam not in self.cameras]:
             raise ValueError(f"VLAConfig.state_points names cameras {unknown} the policy does not read; its cameras: {list(self.cameras)}")
         if not 0.0 <= self.state_dropout < 1.0:

@@ -394,6 +394,10 @@ class VLAPolicy(ChunkedActing, nn.Module):
                     # keypoints 0 and 1 (target, goal) in the unshifted image: the augmentation's shift moves the points
                     # with the image, and would tell the head the object is up to `augment_shift` pixels off
                     points.append((where[-1][:, :POINT_DIM] - images[cam][1].repeat(1, 2)).detach())
+                    if self.training and self.config.state_points_training == "labels" and "where_target" in batch:
+                        labels = torch.as_tensor(batch["where_target"], device=self.device, dtype=torch.float32)
+                        labels = labels[:, self.config.cameras.index(cam), :2].reshape(-1, POINT_DIM)
+                        points[-1] = torch.where(torch.isfinite(labels), labels, points[-1])  # located where out of view
                     features = features[:, : features.shape[1] - encoder.where_dim]
             else:
                 features = encoder(image, text, words, mask)
