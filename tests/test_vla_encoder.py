@@ -233,7 +233,6 @@ def test_state_points_give_the_state_the_locators_target_and_goal_points_normali
     model.zero_grad()
     labels = torch.full((6, 2, 2, 2), float("nan"))
     labels[:, 0] = torch.tensor([[0.2, -0.1], [-0.5, 0.3]])
-    model.config.where_weight = 1.0
     model.aux_loss({**batch, "where_target": labels}, model.encode(batch)[1]).mean().backward()
     assert any(p.grad is not None and p.grad.any() for p in agentview.parameters())
     model.eval()

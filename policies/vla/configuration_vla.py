@@ -64,8 +64,8 @@ class VLAConfig:
     # state, as the pixel oracle's true labels do (benchmarks/privileged_oracle.py): normalised by the pixel labels'
     # statistics, in the unshifted image's frame (training's random shift taken back out), joined to the proprio
     # state before its MLP, and detached, so that only the cell loss moves the locator. Those cameras' coordinates
-    # then leave the fused feature. Empty: every camera's coordinates sit among
-    # its features (the flow loss reaches the locator through them).
+    # then leave the fused feature. Empty: every camera's coordinates sit among its features (the flow loss reaches
+    # the locator through them).
     state_points: tuple[str, ...] = ()
     # Training only: what those points are while the policy trains. "located" (the locator's own) or "labels" (the
     # simulator's pixel labels where a sample has them, teacher forcing: the head learns to read exact points, as the
