@@ -15,7 +15,8 @@ among a distractor and two plates, the instruction read by the VLA's word encode
 Last line: one JSON object, per encoder the held-out median and mean error in pixels (and the training error), and
 patchify_over_best, patchify's held-out median error over the best encoder's. `patchify_grounded` runs twice: read by a
 linear head like the others, and `patchify_grounded_direct`, its first keypoint trained to classify the cells around the
-label (soft labels, as the policy trains it), beside `..._hard_cells` (the one cell holding it) and soft_over_hard_cells.
+label (soft labels, as the policy trains it), beside `..._hard_cells` (the one cell holding it) and soft_over_hard_cells,
+and `..._stride2` (its map at image_size / 2: `locator_stride=2`) and stride4_over_stride2.
 """
 
 from __future__ import annotations
@@ -165,13 +166,16 @@ def main() -> None:
     out: dict = {"frames": args.frames, "steps": args.steps, "image_size": args.image_size, "named": args.named,
                  "label_spread_px": round(float(test[1].std(0).mean()), 2)}  # fmt: skip
     # Each encoder read by a linear head; the grounded one also with its first keypoint's cells classified directly,
-    # on soft labels (as the policy trains it) and on the one cell holding the label (the reference).
-    arms = [(e, e, False, False) for e in encoders]
+    # on soft labels (as the policy trains it), on the one cell holding the label (the reference), and on a map of
+    # twice the resolution (locator_stride 2).
+    arms = [(e, e, False, False, {}) for e in encoders]
     if "patchify_grounded" in encoders:
-        arms += [("patchify_grounded_direct", "patchify_grounded", True, False), ("patchify_grounded_direct_hard_cells", "patchify_grounded", True, True)]
-    for name, encoder, direct, hard_cells in arms:
+        arms += [("patchify_grounded_direct", "patchify_grounded", True, False, {}),
+                 ("patchify_grounded_direct_hard_cells", "patchify_grounded", True, True, {}),
+                 ("patchify_grounded_direct_stride2", "patchify_grounded", True, False, {"locator_stride": 2})]
+    for name, encoder, direct, hard_cells, extra in arms:
         t = time.time()
-        out[name] = probe(encoder, train, test, steps=args.steps, direct=direct, hard_cells=hard_cells) | {"seconds": round(time.time() - t, 1)}
+        out[name] = probe(encoder, train, test, steps=args.steps, direct=direct, hard_cells=hard_cells, **extra) | {"seconds": round(time.time() - t, 1)}
         print(name, out[name], flush=True)
     best = min((name for name, *_ in arms), key=lambda e: out[e]["test_median_px"])
     if "patchify" in encoders and best != "patchify":
@@ -179,6 +183,7 @@ def main() -> None:
         out["best"] = best
     if "patchify_grounded" in encoders:
         out["soft_over_hard_cells"] = round(out["patchify_grounded_direct"]["test_median_px"] / out["patchify_grounded_direct_hard_cells"]["test_median_px"], 2)
+        out["stride4_over_stride2"] = round(out["patchify_grounded_direct"]["test_median_px"] / out["patchify_grounded_direct_stride2"]["test_median_px"], 2)
     out["seconds"] = round(time.time() - start, 1)
     print(json.dumps(out))
 

@@ -178,15 +178,19 @@ def test_the_where_loss_classifies_the_labelled_cell_and_skips_what_is_out_of_vi
     assert shifted[0] > 10  # the scores stayed, the label moved on
 
 
-def test_the_locator_is_taught_to_point_below_a_cell():
+@pytest.mark.parametrize("locator_stride", [4, 2])
+def test_the_locator_is_taught_to_point_below_a_cell(locator_stride):
     """The where_loss's soft labels (`cell_distribution`) have the labelled position as their expected coordinates,
     anywhere in the image (borders included); free cell scores trained on them point there to a hundredth of a
-    cell, where a one-hot label on the cell holding the position leaves them at that cell's grid point."""
+    cell, where a one-hot label on the cell holding the position leaves them at that cell's grid point. At either
+    map resolution (image_size / 4 or / 2)."""
     from policies.vla.modeling_vla import expected_coordinates
 
     torch.manual_seed(0)
-    locator = VLAPolicy(tiny_config(vision_encoder="patchify_grounded", keypoints=2)).vision["agentview"].locator
+    config = tiny_config(vision_encoder="patchify_grounded", keypoints=2, locator_stride=locator_stride)
+    locator = VLAPolicy(config).vision["agentview"].locator
     grid, side = locator.grid, int(locator.grid.shape[0] ** 0.5)
+    assert side == config.image_size // locator_stride
     positions = torch.cat([torch.rand(64, 2) * 2 - 1, torch.tensor([[-1.0, -1.0], [1.0, 1.0], [1.0, -0.97]])])
     labels = locator.cell_distribution(positions)
     assert torch.allclose(labels.sum(-1), torch.ones(len(positions))) and (labels >= 0).all()
@@ -268,3 +272,26 @@ def test_with_state_points_training_labels_the_policy_trains_on_the_pixel_labels
     torch.testing.assert_close(seen["state"][:, 8:], located)
     with pytest.raises(ValueError, match="state_points_training must be 'located' or 'labels'; got 'true'"):
         tiny_config(vision_encoder="patchify_grounded", state_points=("agentview",), state_points_training="true")
+
+
+def test_a_finer_locator_scores_cells_of_its_own_map_and_a_checkpoint_keeps_its_resolution(tmp_path):
+    """locator_stride=2: the locators score (image_size / 2)^2 cells, each camera's keypoint logits follow the new
+    map, and the choice travels in config.json (a checkpoint acts the same after loading); checkpoints written
+    before the field load at stride 4; any other stride is refused with what is allowed."""
+    torch.manual_seed(0)
+    config = tiny_config(vision_encoder="patchify_grounded", keypoints=3, locator_stride=2)
+    model = VLAPolicy(config).eval()
+    batch = fake_batch(2, config)
+    _, aux = model.encode(batch)
+    assert {cam: logits.shape for cam, logits in aux.where_logits.items()} == {
+        cam: (2, 3, (config.image_size // 2) ** 2) for cam in config.cameras}
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["locator_stride"] == 2
+    loaded = VLAPolicy.from_pretrained(str(tmp_path / "ckpt")).eval()
+    noise = torch.randn(2, config.chunk_size, config.action_dim)
+    torch.testing.assert_close(loaded.predict_action_chunk(batch, noise=noise), model.predict_action_chunk(batch, noise=noise))
+    data = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del data["locator_stride"]
+    assert VLAConfig.from_dict(data).locator_stride == 4
+    with pytest.raises(ValueError, match="locator_stride must be 2 or 4"):
+        tiny_config(vision_encoder="patchify_grounded", locator_stride=3)

@@ -214,6 +214,7 @@ class VLAOptions(PolicyOptions):
     vision_encoder: str = "patchify"
     keypoints: int = 32  # spatial_softmax, patchify_grounded: (x, y) keypoints per camera
     where_weight: float = 1.0  # patchify_grounded: its locators classify the named target's / goal's cell (pixel labels) in SFT
+    locator_stride: int = 4  # patchify_grounded: its locators' map at image_size / 4 or / 2 (2: 2-pixel cells, sharper points)
     instruction_input: str = "pooled"  # "pooled" (FiLM + fused feature) | "locator" (patchify_grounded: through its keypoints alone)
     # patchify_grounded: cameras whose target and goal points join the state (detached, as the pixel oracle's labels), e.g. [agentview]
     state_points: tuple[str, ...] = ()

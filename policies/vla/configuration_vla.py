@@ -56,6 +56,9 @@ class VLAConfig:
     # patchify_grounded: weight of its locators' cell classification on the pixel labels (`where_target`) beside the
     # aux loss in SFT; keypoint 0 learns the named target, 1 the goal, the others stay free. 0: no pixel supervision.
     where_weight: float = 1.0
+    # patchify_grounded: its locators score cells of a map at image_size / locator_stride: 4 (4-pixel cells at 64 px)
+    # or 2 (2-pixel cells, four times the cells; a pixel is about a centimetre on the table: benchmarks/RESULTS.md).
+    locator_stride: int = 4
     # How the instruction reaches the rest of the policy: "pooled" (its pooled word feature modulates every camera's
     # convs (FiLM) and joins the fused feature) or "locator" (patchify_grounded only: through the locators' keypoints
     # alone, FiLM and the fused feature see a constant; held-out paraphrases then move nothing but where it points).
@@ -116,6 +119,8 @@ class VLAConfig:
             raise ValueError(f"VLAConfig.vision_encoder must be one of {', '.join(map(repr, VISION_ENCODER_NAMES))}; got {self.vision_encoder!r}")
         if not self.where_weight >= 0:
             raise ValueError(f"VLAConfig.where_weight must be >= 0; got {self.where_weight}")
+        if self.locator_stride not in (2, 4):
+            raise ValueError(f"VLAConfig.locator_stride must be 2 or 4 (the locator's map at image_size / 2 or / 4); got {self.locator_stride}")
         if self.keypoints < 1:
             raise ValueError(f"VLAConfig.keypoints must be >= 1; got {self.keypoints}")
         if self.time_distribution not in ("beta", "uniform", "logit_normal"):
@@ -191,7 +196,7 @@ class VLAConfig:
 
     ARCHITECTURE_FIELDS = (
         "backbone", "cameras", "image_size", "state_dim", "action_dim", "chunk_size", "vision_encoder", "vision_channels", "keypoints", "vision_dim",
-        "text_dim", "text_layers", "max_words", "ngram_buckets", "state_hidden", "hidden_dim", "expert_hidden",
+        "locator_stride", "text_dim", "text_layers", "max_words", "ngram_buckets", "state_hidden", "hidden_dim", "expert_hidden",
         "expert_layers", "aux_dim", "aux_input", "state_points", "lora_rank", "backbone_layers", "backbone_image_size", "lora_alpha", "lora_targets",
         "freeze_vision", "max_text_tokens", "pool_queries", "advantage_input",
     )  # fmt: skip

@@ -133,8 +133,8 @@ class SpatialSoftmaxEncoder(FiLMConvStack):
 class InstructionLocator(nn.Module):
     """Where the instruction's objects are in one camera's image. Each of `keypoints` learned role vectors attends
     over the instruction's words (the words naming the object, or the plate), the attended words become a query that
-    scores every cell of a small conv map at image_size / 4 (overlapping 3x3 convs, so a 3-pixel cube is not cut by a
-    patch border), and the softmax over cells gives the query's expected (x, y). Scoring cells against words is what
+    scores every cell of a small conv map at image_size / `locator_stride` (overlapping 3x3 convs, so a 3-pixel cube
+    is not cut by a patch border), and the softmax over cells gives the query's expected (x, y). Scoring cells against words is what
     grounds: trained as a classification of the cells around the named object (`cell_distribution`), it finds it among two
     to under 2 px within a few hundred steps, where FiLM-modulated keypoints never did; regressing its coordinates
     plateaus, and through a learned head it does not learn (benchmarks/localisation_probe.py --named)."""
@@ -144,17 +144,17 @@ class InstructionLocator(nn.Module):
         width = config.vision_channels[0]
         self.stem = nn.Sequential(
             nn.Conv2d(5, width, 3, 2, 1), nn.GroupNorm(min(8, width), width), nn.GELU(),
-            nn.Conv2d(width, width, 3, 2, 1), nn.GroupNorm(min(8, width), width), nn.GELU(),
+            nn.Conv2d(width, width, 3, config.locator_stride // 2, 1), nn.GroupNorm(min(8, width), width), nn.GELU(),
         )  # fmt: skip
         self.keys = nn.Conv2d(width, width, 1)
         self.roles = nn.Parameter(torch.randn(config.keypoints, config.text_dim) * 0.1)
         self.query = nn.Linear(config.text_dim, width)
         self.temperature = nn.Parameter(torch.tensor(1.0))
-        self.register_buffer("grid", coordinate_grid(config.image_size // 4), persistent=False)
+        self.register_buffer("grid", coordinate_grid(config.image_size // config.locator_stride), persistent=False)
 
     def logits(self, inputs: Tensor, words: Tensor, mask: Tensor) -> Tensor:
         """`inputs` (B, 5, H, W): RGB and coordinates; `words` (B, W, D) and `mask` (B, W) from the word encoder.
-        Returns each keypoint's score of every cell (B, keypoints, cells), cells row-major at image_size / 4."""
+        Returns each keypoint's score of every cell (B, keypoints, cells), cells row-major at image_size / locator_stride."""
         keys = self.keys(self.stem(inputs)).flatten(2)  # (B, width, cells)
         reading = torch.einsum("qd,bwd->bqw", self.roles, words).masked_fill(~mask[:, None], float("-inf")).softmax(-1)
         queries = self.query(reading @ words)  # (B, keypoints, width)
