@@ -134,10 +134,10 @@ class InstructionLocator(nn.Module):
     """Where the instruction's objects are in one camera's image. Each of `keypoints` learned role vectors attends
     over the instruction's words (the words naming the object, or the plate), the attended words become a query that
     scores every cell of a small conv map at image_size / `locator_stride` (overlapping 3x3 convs, so a 3-pixel cube
-    is not cut by a patch border), and the softmax over cells gives the query's expected (x, y). Scoring cells against words is what
-    grounds: trained as a classification of the cells around the named object (`cell_distribution`), it finds it among two
-    to under 2 px within a few hundred steps, where FiLM-modulated keypoints never did; regressing its coordinates
-    plateaus, and through a learned head it does not learn (benchmarks/localisation_probe.py --named)."""
+    is not cut by a patch border), and the softmax over cells gives the query's expected (x, y). Scoring cells against
+    words is what grounds: trained as a classification of the cells around the named object (`cell_distribution`), it
+    finds it among two to under 2 px within a few hundred steps, where FiLM-modulated keypoints never did; regressing
+    its coordinates plateaus, and through a learned head it does not learn (benchmarks/localisation_probe.py --named)."""
 
     def __init__(self, config: VLAConfig) -> None:
         super().__init__()
