@@ -228,6 +228,37 @@ def test_position_jitter_and_fillers_let_the_encoder_read_moved_and_padded_parap
     assert sum(accuracy(False)) / 2 < 0.8  # the plain encoder does not (0.71 here: 0.84 and 0.57)
 
 
+def test_relative_word_positions_read_a_phrase_wherever_it_starts():
+    """Known answer, as above, with no augmentation: relative positions (neighbours, no slot) read the plate's colour
+    after "could you please" or "now" moved it, and a phrase shifted along the slots gives the same word features."""
+    colours = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black"]
+    train = ["put the {a} cube on the {b} plate", "move the {a} cube onto the {b} plate", "set the {a} cube on the {b} plate"]
+    moved = ["could you please put the {a} cube on the {b} plate", "now move the {a} cube onto the {b} plate"]
+    pairs = [(a, b) for a in range(8) for b in range(8) if a != b]
+    torch.manual_seed(0)
+    tok, enc, head = HashTokenizer(1024, 16), TextEncoder(1024, 32, 1, 16, positions="relative"), torch.nn.Linear(32, 8)
+    opt = torch.optim.Adam([*enc.parameters(), *head.parameters()], 3e-3)
+    for _ in range(300):
+        picks = torch.randint(len(pairs), (64,)).tolist()
+        ids, mask = tok([train[i % 3].format(a=colours[pairs[p][0]], b=colours[pairs[p][1]]) for i, p in enumerate(picks)])
+        loss = torch.nn.functional.cross_entropy(head(enc(ids, mask)[1]), torch.tensor([pairs[p][1] for p in picks]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    enc.eval()
+    with torch.no_grad():
+        for template in moved:
+            ids, mask = tok([template.format(a=colours[a], b=colours[b]) for a, b in pairs])
+            assert (head(enc(ids, mask)[1]).argmax(1) == torch.tensor([b for _, b in pairs])).float().mean() > 0.95
+        ids, mask = tok(["put the red cube on the blue plate"])
+        shifted, shifted_mask = torch.roll(ids, 3, dims=1), torch.roll(mask, 3, dims=1)  # three empty slots first
+        torch.testing.assert_close(enc(shifted, shifted_mask)[0][:, 3:10], enc(ids, mask)[0][:, :7])
+        absolute = TextEncoder(1024, 32, 1, 16)
+        assert not torch.allclose(absolute(shifted, shifted_mask)[0][:, 3:10], absolute(ids, mask)[0][:, :7])
+    with pytest.raises(ValueError, match="text_positions"):
+        tiny_config(text_positions="rotary")
+
+
 def test_instruction_augmentations_act_in_training_only():
     torch.manual_seed(0)
     model = VLAPolicy(tiny_config(text_position_jitter=True, text_filler_words=0.5))

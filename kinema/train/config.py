@@ -223,6 +223,7 @@ class VLAOptions(PolicyOptions):
     augment_shift: int = 4  # random-shift augmentation in training (pixels); 0 disables
     text_position_jitter: bool = False  # instructions start at a random word position in training (tiny backbone)
     text_filler_words: float = 0.0  # share of training instructions given 1-2 random unknown words (e.g. 0.5)
+    text_positions: str = "absolute"  # word order (tiny backbone): "absolute" slot embeddings | "relative" (neighbours, no slot)
 
 
 @PolicyOptions.register_subclass("video")

@@ -81,6 +81,10 @@ class VLAConfig:
     # (held-out paraphrases: benchmarks/instruction_probe.py). Off by default: no success gain measured yet.
     text_position_jitter: bool = False
     text_filler_words: float = 0.0
+    # Tiny backbone: how words know their order. "absolute": a learned embedding per word slot (a paraphrase that moves
+    # the object's words moves what the locators read); "relative": no slot embedding, each word mixes its left and
+    # right neighbours through a width-3 convolution, so "red cube" binds wherever it sits in the sentence.
+    text_positions: str = "absolute"
     # Recap's improvement indicator (rl.method recap): the action expert also reads whether a step was an improvement
     # (diffusion_rl.recap: 0 unconditioned, 1 an improvement, 2 not one), as a learned embedding added to its context.
     advantage_input: bool = False
@@ -147,6 +151,10 @@ class VLAConfig:
             raise ValueError(f"VLAConfig.state_points names cameras {unknown} the policy does not read; its cameras: {list(self.cameras)}")
         if not 0.0 <= self.state_dropout < 1.0:
             raise ValueError(f"VLAConfig.state_dropout must be in [0, 1); got {self.state_dropout}")
+        if self.text_positions not in ("absolute", "relative"):
+            raise ValueError(f"VLAConfig.text_positions must be 'absolute' or 'relative'; got {self.text_positions!r}")
+        if self.text_position_jitter and self.text_positions != "absolute":
+            raise ValueError("VLAConfig.text_position_jitter moves absolute word slots; text_positions 'relative' has none")
         if not 0.0 <= self.text_filler_words <= 1.0:
             raise ValueError(f"VLAConfig.text_filler_words is a share of instructions, in [0, 1]; got {self.text_filler_words}")
         if not self.cameras:

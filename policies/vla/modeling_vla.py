@@ -302,7 +302,7 @@ class VLAPolicy(ChunkedActing, nn.Module):
             self.prefix = SmolVLMPrefix(config)
         else:
             self.tokenizer = HashTokenizer(config.ngram_buckets, config.max_words)
-            self.text = TextEncoder(config.ngram_buckets, config.text_dim, config.text_layers, config.max_words)
+            self.text = TextEncoder(config.ngram_buckets, config.text_dim, config.text_layers, config.max_words, positions=config.text_positions)
             self.vision = nn.ModuleDict({cam: VISION_ENCODERS[config.vision_encoder](config) for cam in config.cameras})
             points = POINT_DIM * len(config.state_points)
             self.state_mlp = nn.Sequential(nn.Linear(config.state_dim + points, config.state_hidden), nn.GELU())

@@ -74,28 +74,41 @@ class HashTokenizer:
 
 
 class TextEncoder(nn.Module):
-    """(ids, mask) -> per-word features (B, W, D) and a pooled instruction feature (B, D)."""
+    """(ids, mask) -> per-word features (B, W, D) and a pooled instruction feature (B, D).
 
-    def __init__(self, buckets: int, dim: int, layers: int, max_words: int) -> None:
+    `positions` says how a word knows where it sits: "absolute", a learned embedding per slot; "relative", no slot at
+    all, each word's embedding joined by a width-3 convolution over its neighbours (left and right apart), so the
+    features, and what reads them, depend on word order but not on where in the sentence a phrase starts."""
+
+    def __init__(self, buckets: int, dim: int, layers: int, max_words: int, *, positions: str = "absolute") -> None:
         super().__init__()
+        if positions not in ("absolute", "relative"):
+            raise ValueError(f"TextEncoder positions must be 'absolute' or 'relative'; got {positions!r}")
         self.embed = nn.EmbeddingBag(buckets, dim, mode="mean", padding_idx=0)
-        self.position = nn.Parameter(torch.zeros(max_words, dim))
-        nn.init.normal_(self.position, std=0.02)
+        self.position = nn.Parameter(torch.zeros(max_words, dim)) if positions == "absolute" else None
+        self.neighbours = nn.Conv1d(dim, dim, kernel_size=3, padding=1) if positions == "relative" else None
+        if self.position is not None:
+            nn.init.normal_(self.position, std=0.02)
         layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=2 * dim, dropout=0.0, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False) if layers else None
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, ids: Tensor, mask: Tensor, *, jitter_positions: bool = False) -> tuple[Tensor, Tensor]:
-        """`jitter_positions` (training): each instruction's words take the positions from a random start in
-        0..max_words − its length, so that the encoder learns word order rather than which slot a word sits in
-        (a paraphrase that moves the object two words on is then still read)."""
+        """`jitter_positions` (training, absolute positions): each instruction's words take the positions from a
+        random start in 0..max_words − its length, so that the encoder learns word order rather than which slot a
+        word sits in (a paraphrase that moves the object two words on is then still read)."""
         B, W, G = ids.shape
-        slots = torch.arange(W, device=ids.device).expand(B, W)
-        if jitter_positions:
-            room = (self.position.shape[0] - mask.sum(1, keepdim=True)).clamp(min=0)
-            start = (torch.rand(B, 1, device=ids.device) * (room + 1)).long()
-            slots = (slots + start).clamp(max=self.position.shape[0] - 1)
-        words = self.embed(ids.reshape(B * W, G)).reshape(B, W, -1) + self.position[slots]
+        words = self.embed(ids.reshape(B * W, G)).reshape(B, W, -1)
+        if self.neighbours is not None:
+            words = words * mask[..., None]  # padding is no neighbour
+            words = words + self.neighbours(words.transpose(1, 2)).transpose(1, 2)
+        else:
+            slots = torch.arange(W, device=ids.device).expand(B, W)
+            if jitter_positions:
+                room = (self.position.shape[0] - mask.sum(1, keepdim=True)).clamp(min=0)
+                start = (torch.rand(B, 1, device=ids.device) * (room + 1)).long()
+                slots = (slots + start).clamp(max=self.position.shape[0] - 1)
+            words = words + self.position[slots]
         if self.encoder is not None:
             words = self.encoder(words, src_key_padding_mask=~mask)
         words = self.norm(words) * mask[..., None]
