@@ -16,8 +16,9 @@ POLICY_TYPES: dict[str, tuple[str, str, str]] = {
     "vla": ("policies.vla", "VLAConfig", "VLAPolicy"),
     "video": ("policies.video_policy", "VideoPolicyConfig", "VideoPolicy"),
     "smolvla": ("policies.smolvla", "SmolVLAConfig", "SmolVLAPolicy"),
+    "pi0": ("policies.pi0", "Pi0Config", "Pi0Policy"),
 }
-LEROBOT_TYPES = {"smolvla": "smolvla"}  # a LeRobot checkpoint's config.json "type" -> the kinema type that loads it
+LEROBOT_TYPES = {"smolvla": "smolvla", "pi0": "pi0"}  # a LeRobot checkpoint's config.json "type" -> the kinema type that loads it
 
 
 def policy_classes(policy_type: str) -> tuple[type, type]:

@@ -236,6 +236,24 @@ def pad_to(x: Tensor, width: int) -> Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
+def heads(x: Tensor, layer: nn.Module) -> Tensor:
+    """(..., H·D) -> (..., H, D), D being the layer's head_dim."""
+    return x.view(*x.shape[:-1], -1, layer.self_attn.head_dim)
+
+
+def decoder_qkv(layer: nn.Module, normed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A decoder layer's (Llama, Gemma) queries, keys and values (B, L, heads, D) of its normed input."""
+    attn = layer.self_attn
+    normed = normed.to(attn.q_proj.weight.dtype)
+    return heads(attn.q_proj(normed), layer), heads(attn.k_proj(normed), layer), heads(attn.v_proj(normed), layer)
+
+
+def decoder_finish(layer: nn.Module, residual: Tensor, attention: Tensor) -> Tensor:
+    """Output projection and residual, then the MLP block and its residual (a Llama decoder layer's second half)."""
+    hidden = layer.self_attn.o_proj(attention.to(layer.self_attn.o_proj.weight.dtype)) + residual
+    return layer.mlp(layer.post_attention_layernorm(hidden).to(layer.mlp.down_proj.weight.dtype)) + hidden
+
+
 @dataclass
 class Prefix:
     """One pass over the observation prefix: every layer's keys (rotated) and values, which tokens are real, the

@@ -249,42 +249,46 @@ class VideoPolicyOptions(PolicyOptions):
                 "help yet: 6 %, 3.6x the CPU a step) or a local Wan checkpoint folder (GPU)")  # fmt: skip
 
 
-@PolicyOptions.register_subclass("smolvla")
 @dataclass
-class SmolVLAOptions(PolicyOptions):
-    """A LeRobot SmolVLA checkpoint (policies/smolvla), post-trained as it is: `--policy.checkpoint FOLDER` (LeRobot's
-    folder, or a kinema run's checkpoint of one) and `--policy.vlm_path` (a local copy of its VLM's config and
-    tokenizer). The shared keys at 0 keep the checkpoint's own values."""
+class LeRobotFlowOptions(PolicyOptions):
+    """A LeRobot flow VLA checkpoint (policies/lerobot_flow), post-trained as it is: `--policy.checkpoint FOLDER`
+    (LeRobot's folder, or a kinema run's checkpoint of one). The shared keys at 0 keep the checkpoint's own values.
+    Each architecture registers a subclass naming its policy class and what locates its language side locally."""
+
+    name: ClassVar[str] = ""  # how errors name the checkpoint kind
 
     chunk_size: int = 0  # the checkpoint's (an architecture field: another value is refused)
     n_action_steps: int = 0  # actions executed per chunk; 0: the checkpoint's
     num_flow_steps: int = 0  # Euler steps; 0: the checkpoint's num_steps
-    checkpoint: str = ""  # the SmolVLA folder to start from (config.json, model.safetensors, policy_*processor files)
-    vlm_path: str = ""  # the VLM's config.json and tokenizer, locally; empty: the checkpoint's vlm_model_name if local
+    checkpoint: str = ""  # the folder to start from (config.json, model.safetensors, policy_*processor files)
     camera_map: dict[str, str] = field(default_factory=dict)  # kinema camera -> the checkpoint's image feature
     # "expert": the action expert and its projections (LeRobot's default) | "lora": those + LoRA on the VLM's text
     # attention (merged into the weights on save) | "vlm": the VLM's text layers too | "all": everything
     trainable: str = "expert"
     lora_rank: int = 16  # trainable lora only
-    # checkpoint: keep the normalisation stats it was trained with | dataset: the run's demonstrations' (a SmolVLA that
-    # never saw this task's state and action ranges, e.g. trained from scratch here)
+    # checkpoint: keep the normalisation stats it was trained with | dataset: the run's demonstrations' (a checkpoint
+    # that never saw this task's state and action ranges, e.g. trained from scratch here)
     normalization: str = "checkpoint"
 
     def policy_fields(self) -> dict[str, Any]:
-        """The options that set fields of the SmolVLA's config (by their names there); 0 and "" keep the checkpoint's."""
+        """The options that set fields of the policy's config (by their names there); 0 and "" keep the checkpoint's."""
         fields = {"image_size": self.image_size, "chunk_size": self.chunk_size, "n_action_steps": self.n_action_steps,
-                  "num_steps": self.num_flow_steps, "vlm_path": self.vlm_path, "camera_map": dict(self.camera_map),
-                  "trainable": self.trainable, "lora_rank": self.lora_rank, "lora_alpha": float(self.lora_rank)}  # fmt: skip
+                  "num_steps": self.num_flow_steps, "camera_map": dict(self.camera_map), "trainable": self.trainable,
+                  "lora_rank": self.lora_rank, "lora_alpha": float(self.lora_rank), **self.language_fields()}  # fmt: skip
         return {k: v for k, v in fields.items() if v or k == "chunk_size"}
 
+    def language_fields(self) -> dict[str, Any]:
+        """The architecture's own fields (where its VLM or tokenizer is, locally)."""
+        return {}
+
     def check(self) -> None:
-        from policies.smolvla.configuration_smolvla import TRAINABLE
+        from policies.lerobot_flow import TRAINABLE
 
         if not self.checkpoint:
-            raise ValueError("policy.type smolvla post-trains an existing checkpoint: set policy.checkpoint to a local "
-                             "LeRobot SmolVLA folder (config.json, model.safetensors, policy_*processor files)")  # fmt: skip
+            raise ValueError(f"policy.type {self.type} post-trains an existing checkpoint: set policy.checkpoint to a local "
+                             f"LeRobot {self.name} folder (config.json, model.safetensors, policy_*processor files)")  # fmt: skip
         if not (Path(self.checkpoint) / "config.json").is_file():
-            raise ValueError(f"policy.checkpoint {self.checkpoint!r} has no config.json; expected a local LeRobot SmolVLA folder")
+            raise ValueError(f"policy.checkpoint {self.checkpoint!r} has no config.json; expected a local LeRobot {self.name} folder")
         if self.trainable not in TRAINABLE:
             raise ValueError(f"policy.trainable must be one of {list(TRAINABLE)}; got {self.trainable!r}")
         if self.normalization not in ("checkpoint", "dataset"):
@@ -295,21 +299,47 @@ class SmolVLAOptions(PolicyOptions):
 
     def make(self, *, cameras: tuple[str, ...], aux_dim: int, tasks: list[str], stats: dict[str, Any]) -> Any:
         """The checkpoint, loaded; it keeps the normalisation it was trained with, and must fit the task's state."""
-        from policies.smolvla import SmolVLAPolicy
+        from policies import policy_classes
 
         fields = self.policy_fields()
         chunk_size = fields.pop("chunk_size")
-        policy = SmolVLAPolicy.from_pretrained(self.checkpoint, **fields)
+        policy = policy_classes(self.type)[1].from_pretrained(self.checkpoint, **fields)
         config = policy.config
         if chunk_size and chunk_size != config.chunk_size:
             raise ValueError(f"policy.chunk_size {chunk_size}: the checkpoint {self.checkpoint} predicts chunks of {config.chunk_size} (set 0 or that)")
         state_dim = len(stats["observation.state"]["mean"])
         if state_dim != config.state_dim:
-            raise ValueError(f"the task's observation.state has {state_dim} values; the SmolVLA checkpoint {self.checkpoint} was trained on {config.state_dim}")
+            raise ValueError(f"the task's observation.state has {state_dim} values; the {self.name} checkpoint {self.checkpoint} was trained on {config.state_dim}")
         config.extra["tasks"] = [*config.extra.get("tasks", []), *(t for t in tasks if t not in config.extra.get("tasks", []))]
         if self.normalization == "dataset":
             policy.set_normalization(stats)
         return policy
+
+
+@PolicyOptions.register_subclass("smolvla")
+@dataclass
+class SmolVLAOptions(LeRobotFlowOptions):
+    """A LeRobot SmolVLA checkpoint (policies/smolvla): `--policy.checkpoint FOLDER` and `--policy.vlm_path` (a local
+    copy of its VLM's config and tokenizer)."""
+
+    name: ClassVar[str] = "SmolVLA"
+    vlm_path: str = ""  # the VLM's config.json and tokenizer, locally; empty: the checkpoint's vlm_model_name if local
+
+    def language_fields(self) -> dict[str, Any]:
+        return {"vlm_path": self.vlm_path}
+
+
+@PolicyOptions.register_subclass("pi0")
+@dataclass
+class Pi0Options(LeRobotFlowOptions):
+    """A LeRobot pi0 checkpoint (policies/pi0): `--policy.checkpoint FOLDER`; `--policy.tokenizer_path` where the
+    folder holds no tokenizer of its own (LeRobot main saves one beside the checkpoint)."""
+
+    name: ClassVar[str] = "pi0"
+    tokenizer_path: str = ""  # a local copy of PaliGemma's tokenizer; empty: the one beside the checkpoint
+
+    def language_fields(self) -> dict[str, Any]:
+        return {"tokenizer_path": self.tokenizer_path}
 
 
 @dataclass
@@ -366,9 +396,9 @@ class TrainConfig:
         if self.policy.type not in METHODS[self.rl.method].policy_types:  # each method says which policy types it trains
             supported = [name for name, method in METHODS.items() if self.policy.type in method.policy_types]
             raise ValueError(f"rl.method {self.rl.method!r} does not train a {self.policy.type!r} policy; valid for it: {', '.join(supported)}")
-        if self.policy.type == "smolvla" and self.init_policy:
-            raise ValueError("policy.type smolvla starts from policy.checkpoint (a LeRobot SmolVLA folder, or a kinema run's "
-                             f"checkpoint of one); init_policy {self.init_policy!r} has no part: name it as policy.checkpoint")  # fmt: skip
+        if isinstance(self.policy, LeRobotFlowOptions) and self.init_policy:
+            raise ValueError(f"policy.type {self.policy.type} starts from policy.checkpoint (a LeRobot {self.policy.name} folder, or a "
+                             f"kinema run's checkpoint of one); init_policy {self.init_policy!r} has no part: name it as policy.checkpoint")  # fmt: skip
         METHODS[self.rl.method].check_config(self)
         if self.rl.rollout_plan_ahead and (METHODS[self.rl.method].rollout_plan is not RLMethod.rollout_plan or self.robot.config):
             raise ValueError(f"rl.rollout_plan_ahead runs the policy's own chunks in simulation as the ROS 2 node would; "

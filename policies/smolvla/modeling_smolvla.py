@@ -39,6 +39,9 @@ from policies.lerobot_flow import (
     Prefix,
     attend,
     attention_mask_2d,
+    decoder_finish,
+    decoder_qkv,
+    heads,
     read_normalizer_eps,
     read_processor_stats,
     rope,
@@ -141,11 +144,11 @@ class VLMWithExpert(nn.Module):
         text = self.vlm_model.text_model
         keys, values, hidden = [], [], embeddings.to(text.norm.weight.dtype)  # the VLM's stream in its own dtype
         for layer in self.vlm_model.text_model.layers:
-            q, k, v = _project(layer, layer.input_layernorm(hidden))
+            q, k, v = decoder_qkv(layer, layer.input_layernorm(hidden))
             k = rope(k, positions)
             keys.append(k)
             values.append(v)
-            hidden = _finish(layer, hidden, attend(rope(q, positions), k, v, mask))
+            hidden = decoder_finish(layer, hidden, attend(rope(q, positions), k, v, mask))
         feature = self.vlm_model.text_model.norm(hidden)[:, -1]  # the state token: it attends to everything
         return Prefix(keys, values, pad, feature)
 
@@ -163,36 +166,20 @@ class VLMWithExpert(nn.Module):
                 continue
             normed = layer.input_layernorm(hidden)
             if self.cross[index]:
-                q = _heads(layer.self_attn.q_proj(normed), layer)
+                q = heads(layer.self_attn.q_proj(normed), layer)
                 flat_k = prefix.keys[index].flatten(2)
-                k = _heads(layer.self_attn.k_proj(flat_k.to(layer.self_attn.k_proj.weight.dtype)), layer)
-                v = _heads(layer.self_attn.v_proj(prefix.values[index].flatten(2).to(layer.self_attn.v_proj.weight.dtype)), layer)
+                k = heads(layer.self_attn.k_proj(flat_k.to(layer.self_attn.k_proj.weight.dtype)), layer)
+                v = heads(layer.self_attn.v_proj(prefix.values[index].flatten(2).to(layer.self_attn.v_proj.weight.dtype)), layer)
                 out = attend(rope(q, steps), k, v, see_prefix)
             else:
-                q, k, v = _project(layer, normed)
+                q, k, v = decoder_qkv(layer, normed)
                 positions = offsets + steps
                 keys = torch.cat([prefix.keys[index].to(k.dtype), rope(k, positions)], dim=1)
                 values = torch.cat([prefix.values[index].to(v.dtype), v], dim=1)
                 mask = torch.cat([see_prefix, causal[None].expand(B, Ls, Ls)], dim=2)
                 out = attend(rope(q, positions), keys, values, mask)
-            hidden = _finish(layer, hidden, out)
+            hidden = decoder_finish(layer, hidden, out)
         return self.lm_expert.norm(hidden)
-
-
-def _heads(x: Tensor, layer: nn.Module) -> Tensor:
-    return x.view(*x.shape[:-1], -1, layer.self_attn.head_dim)
-
-
-def _project(layer: nn.Module, normed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    attn = layer.self_attn
-    normed = normed.to(attn.q_proj.weight.dtype)
-    return _heads(attn.q_proj(normed), layer), _heads(attn.k_proj(normed), layer), _heads(attn.v_proj(normed), layer)
-
-
-def _finish(layer: nn.Module, residual: Tensor, attention: Tensor) -> Tensor:
-    """Output projection and residual, then the MLP block and its residual (a Llama decoder layer's second half)."""
-    hidden = layer.self_attn.o_proj(attention.to(layer.self_attn.o_proj.weight.dtype)) + residual
-    return layer.mlp(layer.post_attention_layernorm(hidden).to(layer.mlp.down_proj.weight.dtype)) + hidden
 
 
 class SmolVLAFlowModel(nn.Module):

@@ -38,7 +38,7 @@ def value_critic(feature_dim: int, seed: int) -> nn.Module:
 class AWR(RLMethod):
     name = "awr"
     summary = "advantage-weighted regression: one value critic, rollout steps weighted by exp(A / temperature)"
-    policy_types = ("vla", "video", "smolvla")  # imitation-style: its flow loss covers the video policy's whole sequence
+    policy_types = ("vla", "video", "smolvla", "pi0")  # imitation-style: its flow loss covers the video policy's whole sequence
     options_key = "awr"
     options_class = AWROptions
     learns_from_recordings = True

@@ -71,7 +71,7 @@ class DSRLOptions(SACOptions):
 
 class DSRL(RLMethod):
     name = "dsrl"
-    policy_types = ("vla", "smolvla")  # a separate action expert (SmolVLA's: its own transformer)
+    policy_types = ("vla", "smolvla", "pi0")  # a separate action expert (SmolVLA's and pi0's: a transformer of its own)
     summary = "diffusion steering: SAC on the flow sampler's initial noise, the VLA frozen (optionally distilled)"
     options_key = "dsrl"
     options_class = DSRLOptions

@@ -52,7 +52,7 @@ class PPOOptions:
 
 class FlowPPO(RLMethod):
     name = "flow_ppo"
-    policy_types = ("vla", "smolvla")  # a separate action expert (SmolVLA's: its own transformer)
+    policy_types = ("vla", "smolvla", "pi0")  # a separate action expert (SmolVLA's and pi0's: a transformer of its own)
     summary = "Flow-SDE PPO (πRL / Flow-GRPO): GRPO groups, or GAE with a value critic (rl.ppo.advantage)"
     options_key = "ppo"
     options_class = PPOOptions

@@ -50,7 +50,7 @@ class HABCOptions:
 class HABC(RLMethod):
     name = "habc"
     summary = "hierarchical advantage-weighted BC: viability and efficiency critics gate each rollout step's weight"
-    policy_types = ("vla", "video", "smolvla")  # imitation-style: its flow loss covers the video policy's whole sequence
+    policy_types = ("vla", "video", "smolvla", "pi0")  # imitation-style: its flow loss covers the video policy's whole sequence
     options_key = "habc"
     options_class = HABCOptions
     learns_from_recordings = True

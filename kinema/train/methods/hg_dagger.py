@@ -53,7 +53,7 @@ def human_segments(episodes: Sequence[Episode], human_steps: str = "all") -> lis
 
 class HGDAgger(RLMethod):
     name = "hg_dagger"
-    policy_types = ("vla", "smolvla")  # a separate action expert (SmolVLA's: its own transformer)
+    policy_types = ("vla", "smolvla", "pi0")  # a separate action expert (SmolVLA's and pi0's: a transformer of its own)
     summary = "HG-DAgger, the human-in-the-loop control: imitate the demos plus every round's human takeovers, weight 1"
     options_key = "hg_dagger"
     options_class = HGDAggerOptions

@@ -52,7 +52,7 @@ class NFTOptions:
 
 class NFT(RLMethod):
     name = "nft"
-    policy_types = ("vla", "smolvla")  # a separate action expert (SmolVLA's: its own transformer)
+    policy_types = ("vla", "smolvla", "pi0")  # a separate action expert (SmolVLA's and pi0's: a transformer of its own)
     summary = "DiffusionNFT: successes pull the action expert towards their chunks, failures push it away"
     options_key = "nft"
     options_class = NFTOptions

@@ -8,7 +8,7 @@ from kinema.train.methods.base import RLMethod
 class SFTOnly(RLMethod):
     name = "none"
     summary = "SFT only: no RL round"
-    policy_types = ("vla", "video", "smolvla")  # imitation-style: its flow loss covers the video policy's whole sequence
+    policy_types = ("vla", "video", "smolvla", "pi0")  # imitation-style: its flow loss covers the video policy's whole sequence
     has_rounds = False
 
     def update(self, rollouts, record, progress) -> None:

@@ -70,7 +70,7 @@ def chunk_critic(feature_dim: int, horizon: int, action_dim: int, seed: int) -> 
 
 class PARL(RLMethod):
     name = "pa_rl"
-    policy_types = ("vla", "smolvla")  # a separate action expert (SmolVLA's: its own transformer)
+    policy_types = ("vla", "smolvla", "pi0")  # a separate action expert (SmolVLA's and pi0's: a transformer of its own)
     summary = "policy-agnostic RL: N sampled chunks per decision, a chunk Q critic picks one, the picks are distilled"
     options_key = "pa_rl"
     options_class = PARLOptions

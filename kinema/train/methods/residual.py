@@ -50,7 +50,7 @@ class ResidualOptions(SACOptions):
 
 class Residual(DSRL):
     name = "residual"
-    policy_types = ("vla", "smolvla")  # a separate action expert (SmolVLA's: its own transformer)
+    policy_types = ("vla", "smolvla", "pi0")  # a separate action expert (SmolVLA's and pi0's: a transformer of its own)
     summary = "residual RL: SAC on a bounded correction to the frozen VLA's executed steps (ResiP, Policy Decorator)"
     options_key = "residual"
     options_class = ResidualOptions

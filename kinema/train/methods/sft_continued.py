@@ -9,7 +9,7 @@ from kinema.train.methods.base import RLMethod
 class ContinuedSFT(RLMethod):
     name = "sft_continued"
     summary = "the control: continued SFT on the demonstrations, on the RL arms' schedule"
-    policy_types = ("vla", "video", "smolvla")  # imitation-style: its flow loss covers the video policy's whole sequence
+    policy_types = ("vla", "video", "smolvla", "pi0")  # imitation-style: its flow loss covers the video policy's whole sequence
     rolls_out = False
     learns_from_recordings = True
 
