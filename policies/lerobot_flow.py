@@ -519,6 +519,27 @@ class LeRobotFlowPolicy(ChunkedActing, nn.Module):
         return self.dataset_actions(x), record
 
     # ----- persistence: LeRobot's folder ---------------------------------------------------------------------------
+    config_class: ClassVar[type[LeRobotFlowConfig]] = LeRobotFlowConfig
+
+    @classmethod
+    def read_folder(cls, directory: str | os.PathLike, kinema: dict[str, Any]) -> tuple[Path, dict[str, Any], LeRobotFlowConfig]:
+        """(folder, its config.json, the config): LeRobot's fields, then kinema's file beside them, then `kinema`."""
+        folder = Path(directory)
+        name = cls.config_class.lerobot_type
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{folder} has no config.json; expected a LeRobot {name} checkpoint folder (config.json, {WEIGHTS}, policy_*processor files)")
+        if not (folder / WEIGHTS).is_file():
+            raise FileNotFoundError(f"{folder} has no {WEIGHTS}")
+        data = json.loads(config_file.read_text())
+        return folder, data, cls.config_class.from_lerobot_config(data, **{**cls.config_class.read_kinema_fields(folder), **kinema})
+
+    def take_folder(self, folder: Path, state: Mapping[str, Tensor], *, source: str) -> None:
+        """The folder's weights (`state`), its normaliser's eps, and its LeRobot files (written back on save)."""
+        self.normalization_eps = read_normalizer_eps(folder)
+        self.load_weights(state, source=source)
+        self.keep_lerobot_files(folder)
+
     def keep_lerobot_files(self, folder: Path) -> None:
         """Keep the folder's config.json and processor files (stats files too), to write back on save."""
         self._lerobot_files = {name: (folder / name).read_bytes() for name in ("config.json", *PROCESSOR_FILES) if (folder / name).is_file()}
@@ -576,7 +597,26 @@ class LeRobotFlowPolicy(ChunkedActing, nn.Module):
         return save_bytes(tensors)
 
 
-# ----- the processor files ---------------------------------------------------------------------------------------------------
+# ----- the folder ----------------------------------------------------------------------------------------------------------
+def local_folder(candidates: tuple[str, ...], hub_name: str, *, missing: str) -> str:
+    """The first candidate that is a local folder, else `hub_name` in the local Hugging Face cache; nothing is
+    downloaded. `missing`: what the error says is missing and how to name it (the places tried are added)."""
+    tried = []
+    for candidate in candidates:
+        if candidate and Path(candidate).expanduser().is_dir():
+            return str(Path(candidate).expanduser().resolve())
+        if candidate:
+            tried.append(candidate)
+    if hub_name:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(hub_name, local_files_only=True)
+        except Exception:  # not in the local cache (or not a repo id): say what to do below
+            tried.append(f"{hub_name} in the local Hugging Face cache")
+    raise FileNotFoundError(missing.format(tried=tried))
+
+
 def processor_step(folder: Path, file: str, registry_name: str) -> dict[str, Any] | None:
     path = folder / file
     if not path.is_file():

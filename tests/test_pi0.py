@@ -20,7 +20,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffusion_rl.protocol import FlowPolicy
 from policies import load_policy
 from policies.pi0 import Pi0Config, Pi0Policy
 from policies.pi0.configuration_pi0 import KINEMA_FILE
@@ -83,29 +82,17 @@ def test_flow_loss_is_lerobots_per_sample_loss(reference):
 
 
 def test_a_kinema_batch_acts_through_the_protocol(reference):
+    from test_smolvla import assert_a_kinema_batch_acts
+
     policy = load()
-    assert isinstance(policy, FlowPolicy)
     assert policy.config.cameras == ("agentview", "wrist") and policy.config.num_steps == 5
     assert policy.config.hidden_dim == 64 + 32  # the prefix's pooled width beside the padded state
-    # kinema's envs render uint8 HWC frames, here at 48 px: converted and resized with padding as LeRobot does
-    frames = {f"observation.images.{c}": torch.randint(0, 256, (3, 48, 48, 3), dtype=torch.uint8) for c in ("agentview", "wrist")}
-    batch = {**frames, "observation.state": torch.randn(3, 8), "task": ["open the top drawer"] * 3}
-    features = policy.features(batch)
-    assert features.shape == (3, 96)
+    assert_a_kinema_batch_acts(policy, padded_dim=32)
     # the critics see the state: the feature's tail is the normalised state
-    torch.testing.assert_close(features[:, 64 : 64 + 8], (batch["observation.state"] - policy.stats["observation.state"]["mean"])
-                               / (policy.stats["observation.state"]["std"] + 1e-8))  # fmt: skip
-    noise = torch.randn(3, 4, 7)  # kinema's runners draw noise over the action's own dims
-    chunk = policy.predict_action_chunk(batch, noise=noise)
-    assert chunk.shape == (3, 4, 7)
-    torch.testing.assert_close(chunk, policy.predict_action_chunk(batch, noise=noise))
-    sde_chunk, record = policy.sample_chunk_sde(batch, noise_level=0.5)
-    assert sde_chunk.shape == (3, 4, 7) and record["x_t"].shape == (3, 5, 4, 32)
-    step = policy.sde_log_prob({**batch, "x_t": record["x_t"][:, 0], "t": record["t"][0].expand(3),
-                                "t_next": record["t_next"][0].expand(3), "x_next": record["x_next"][:, 0]}, noise_level=0.5)  # fmt: skip
-    torch.testing.assert_close(step.log_prob, record["log_prob"][:, 0], atol=1e-3, rtol=1e-4)
-    obs = {k: (v[0].numpy() if torch.is_tensor(v) else v[0]) for k, v in batch.items()}
-    assert policy.select_action(obs).shape == (7,)
+    state = torch.randn(2, 8)
+    features = policy.features({**observation(reference), "observation.state": state})
+    stats = policy.stats["observation.state"]
+    torch.testing.assert_close(features[:, 64:72], (state - stats["mean"]) / (stats["std"] + 1e-8))
 
 
 def test_the_state_reaches_the_actions_through_the_suffix(reference):

@@ -86,18 +86,24 @@ def test_flow_loss_is_lerobots_per_sample_loss_and_weights_it(reference):
 
 def test_a_kinema_batch_acts_through_the_protocol(reference):
     policy = load()
-    assert isinstance(policy, FlowPolicy)
     assert policy.config.cameras == ("agentview", "wrist") and policy.config.hidden_dim == 32
-    # kinema's envs render uint8 HWC frames, here at 48 px: converted and resized with padding as LeRobot does
+    assert_a_kinema_batch_acts(policy, padded_dim=16)
+
+
+def assert_a_kinema_batch_acts(policy, *, padded_dim: int) -> None:
+    """A LeRobot flow VLA as kinema's runners and the RL core use it: kinema's uint8 HWC frames (48 px, converted and
+    resized with padding as LeRobot does), features for the critics, deterministic chunks from given noise, SDE
+    chunks whose recorded steps score their own log-probabilities, and select_action on one observation."""
+    assert isinstance(policy, FlowPolicy)
     frames = {f"observation.images.{c}": torch.randint(0, 256, (3, 48, 48, 3), dtype=torch.uint8) for c in ("agentview", "wrist")}
     batch = {**frames, "observation.state": torch.randn(3, 8), "task": ["open the top drawer"] * 3}
-    assert policy.features(batch).shape == (3, 32)
+    assert policy.features(batch).shape == (3, policy.config.hidden_dim)
     noise = torch.randn(3, 4, 7)  # kinema's runners draw noise over the action's own dims
     chunk = policy.predict_action_chunk(batch, noise=noise)
     assert chunk.shape == (3, 4, 7)
     torch.testing.assert_close(chunk, policy.predict_action_chunk(batch, noise=noise))
     sde_chunk, record = policy.sample_chunk_sde(batch, noise_level=0.5)
-    assert sde_chunk.shape == (3, 4, 7) and record["x_t"].shape == (3, 5, 4, 16)
+    assert sde_chunk.shape == (3, 4, 7) and record["x_t"].shape == (3, policy.config.num_steps, 4, padded_dim)
     step = policy.sde_log_prob({**batch, "x_t": record["x_t"][:, 0], "t": record["t"][0].expand(3),
                                 "t_next": record["t_next"][0].expand(3), "x_next": record["x_next"][:, 0]}, noise_level=0.5)  # fmt: skip
     torch.testing.assert_close(step.log_prob, record["log_prob"][:, 0], atol=1e-3, rtol=1e-4)

@@ -18,7 +18,6 @@ hidden states averaged over its real tokens, beside the normalised state (which 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,12 +32,12 @@ from policies.lerobot_flow import (
     WEIGHTS,
     LeRobotFlowPolicy,
     Prefix,
+    local_folder,
     attend,
     attention_mask_2d,
     decoder_finish,
     decoder_qkv,
     processor_step,
-    read_normalizer_eps,
     read_processor_stats,
     rope,
     time_embedding,
@@ -230,6 +229,7 @@ class Pi0Policy(LeRobotFlowPolicy):
     `save_pretrained` writes LeRobot's layout back, so LeRobot's `PI0Policy.from_pretrained` loads what kinema
     post-trained."""
 
+    config_class = Pi0Config
     vlm_prefix = "model.paligemma_with_expert.paligemma."
     vision_marker = ".vision_tower."
 
@@ -264,23 +264,13 @@ class Pi0Policy(LeRobotFlowPolicy):
         cache. Nothing is downloaded."""
         from safetensors.torch import load_file
 
-        folder = Path(directory)
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{folder} has no config.json; expected a LeRobot pi0 checkpoint folder (config.json, {WEIGHTS}, policy_*processor files)")
-        weights = folder / WEIGHTS
-        if not weights.is_file():
-            raise FileNotFoundError(f"{folder} has no {WEIGHTS}")
-        fields = {**Pi0Config.read_kinema_fields(folder), **kinema}
         if tokenizer_path:
-            fields["tokenizer_path"] = tokenizer_path
-        config = Pi0Config.from_lerobot_config(json.loads(config_file.read_text()), **fields)
-        state = load_file(str(weights), device=map_location)
+            kinema["tokenizer_path"] = tokenizer_path
+        folder, _, config = cls.read_folder(directory, kinema)
+        state = load_file(str(folder / WEIGHTS), device=map_location)
         tokenizer = load_tokenizer(resolve_tokenizer_path(config.tokenizer_path, folder))
         policy = cls(config, tokenizer=tokenizer, sizes=Pi0Sizes.from_weights(state, source=str(folder)), stats=read_processor_stats(folder))
-        policy.normalization_eps = read_normalizer_eps(folder)
-        policy.load_weights(state, source=str(folder))
-        policy.keep_lerobot_files(folder)
+        policy.take_folder(folder, state, source=str(folder))
         name = tokenizer_name(folder)
         if name and (folder / name).is_dir():  # LeRobot main saves the tokenizer beside the checkpoint: it goes with it
             for file in sorted((folder / name).iterdir()):
@@ -299,24 +289,10 @@ def resolve_tokenizer_path(tokenizer_path: str, folder: Path) -> str:
     """The local folder holding the tokenizer: `tokenizer_path`, or the preprocessor's tokenizer name as a folder
     beside the checkpoint or as a local path, or that name in the local Hugging Face cache."""
     name = tokenizer_name(folder)
-    tried = []
-    for candidate in (tokenizer_path, str(folder / name) if name else "", name):
-        if candidate and Path(candidate).expanduser().is_dir():
-            return str(Path(candidate).expanduser().resolve())
-        if candidate:
-            tried.append(candidate)
-    if name:
-        try:
-            from huggingface_hub import snapshot_download
-
-            return snapshot_download(name, local_files_only=True)
-        except Exception:  # not in the local cache (or not a repo id): say what to do below
-            tried.append(f"{name} in the local Hugging Face cache")
-    raise FileNotFoundError(
-        f"{folder}: no local folder for the pi0's tokenizer (tried {tried}); name a local copy of PaliGemma's tokenizer "
+    return local_folder((tokenizer_path, str(folder / name) if name else "", name), name, missing=(
+        f"{folder}: no local folder for the pi0's tokenizer (tried {{tried}}); name a local copy of PaliGemma's tokenizer "
         "(nothing is downloaded): `kinema train --policy.tokenizer_path DIR`, or a file kinema_pi0.json beside the "
-        'checkpoint holding {"tokenizer_path": "DIR"}'
-    )
+        'checkpoint holding {{"tokenizer_path": "DIR"}}'))  # fmt: skip
 
 
 def load_tokenizer(path: str) -> Any:

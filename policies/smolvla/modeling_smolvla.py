@@ -37,12 +37,12 @@ from policies.lerobot_flow import (
     WEIGHTS,
     LeRobotFlowPolicy,
     Prefix,
+    local_folder,
     attend,
     attention_mask_2d,
     decoder_finish,
     decoder_qkv,
     heads,
-    read_normalizer_eps,
     read_processor_stats,
     rope,
     time_embedding,
@@ -246,6 +246,7 @@ class SmolVLAPolicy(LeRobotFlowPolicy):
     """
 
     # features(): the state token's final hidden state (B, hidden_dim), which attends to the images, words and state
+    config_class = SmolVLAConfig
     vlm_prefix = "model.vlm_with_expert.vlm."
     vision_marker = ".vision_model."
 
@@ -283,24 +284,13 @@ class SmolVLAPolicy(LeRobotFlowPolicy):
         when it is a local folder, then that name in the local Hugging Face cache. Nothing is downloaded."""
         from safetensors.torch import load_file
 
-        folder = Path(directory)
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{folder} has no config.json; expected a LeRobot SmolVLA checkpoint folder (config.json, {WEIGHTS}, policy_*processor files)")
-        data = json.loads(config_file.read_text())
-        fields = {**SmolVLAConfig.read_kinema_fields(folder), **kinema}
         if vlm_path:
-            fields["vlm_path"] = vlm_path
-        config = SmolVLAConfig.from_lerobot_config(data, **fields)
+            kinema["vlm_path"] = vlm_path
+        folder, data, config = cls.read_folder(directory, kinema)
         config.vlm_path = resolve_vlm_path(config.vlm_path, data.get("vlm_model_name", ""), source=str(folder))
         vlm_config, tokenizer = load_vlm(config.vlm_path)
         policy = cls(config, vlm_config=vlm_config, tokenizer=tokenizer, stats=read_processor_stats(folder))
-        policy.normalization_eps = read_normalizer_eps(folder)
-        weights = folder / WEIGHTS
-        if not weights.is_file():
-            raise FileNotFoundError(f"{folder} has no {WEIGHTS}")
-        policy.load_weights(load_file(str(weights), device=map_location), source=f"{folder} (VLM {config.vlm_path})")
-        policy.keep_lerobot_files(folder)
+        policy.take_folder(folder, load_file(str(folder / WEIGHTS), device=map_location), source=f"{folder} (VLM {config.vlm_path})")
         return policy
 
     def _rewrite_files(self, files: dict[str, bytes], *, vlm_model_name: str | None = None) -> dict[str, bytes]:
@@ -322,25 +312,11 @@ class SmolVLAPolicy(LeRobotFlowPolicy):
 # ----- the VLM ----------------------------------------------------------------------------------------------------------------
 def resolve_vlm_path(vlm_path: str, vlm_model_name: str, *, source: str) -> str:
     """The local folder holding the VLM's config.json and tokenizer."""
-    tried = []
-    for candidate in (vlm_path, vlm_model_name):
-        if candidate and Path(candidate).expanduser().is_dir():
-            return str(Path(candidate).expanduser().resolve())
-        if candidate:
-            tried.append(candidate)
-    if vlm_model_name:
-        try:
-            from huggingface_hub import snapshot_download
-
-            return snapshot_download(vlm_model_name, local_files_only=True)
-        except Exception:  # not in the local cache (or not a repo id): say what to do below
-            tried.append(f"{vlm_model_name} in the local Hugging Face cache")
-    raise FileNotFoundError(
-        f"{source}: no local folder for the SmolVLA's VLM (tried {tried}); name a local copy of the checkpoint's "
+    return local_folder((vlm_path, vlm_model_name), vlm_model_name, missing=(
+        f"{source}: no local folder for the SmolVLA's VLM (tried {{tried}}); name a local copy of the checkpoint's "
         "vlm_model_name (its config.json and tokenizer files are read; nothing is downloaded): `kinema train "
         f"--policy.vlm_path DIR`, or for `kinema eval` / `kinema deploy` a file {KINEMA_FILE} beside the checkpoint "
-        'holding {"vlm_path": "DIR"}'
-    )
+        'holding {{"vlm_path": "DIR"}}'))  # fmt: skip
 
 
 def load_vlm(path: str) -> tuple[Any, Any]:
