@@ -93,6 +93,8 @@ With `--policies vla,smolvla` a SmolVLA joins the same way (policies/smolvla: Le
 tiny test fixture's, random, so its SFT trains everything with the demos' normalisation): its SFT, its RL arm
 (`--smolvla-method`) and its continued-SFT control, both from its SFT's checkpoint; the JSON gains
 `smolvla.<arm>.success` (sft, rl, sft_continued), `smolvla.rl_margin_over_control` (paired) and its latency.
+`--policies vla,pi0` does the same for LeRobot's π0 (policies/pi0; `--pi0-method`, `--pi0-checkpoint`; the JSON
+gains `pi0.<arm>.success`).
 
 Runs are folders under --out; a finished run is reused and an interrupted one resumed, so a killed benchmark
 continues where it stopped and more seeds or methods can be added later.
@@ -454,7 +456,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs trained at once, as subprocesses (1: one after another in this process). SFTs first, "
                         "then every method; each run uses one torch thread plus its env workers, so about cores / 2")
-    parser.add_argument("--policies", default="vla", help="vla, and video (the video policy's four forms) or smolvla")
+    parser.add_argument("--policies", default="vla", help="vla, and video (the video policy's four forms), smolvla or pi0")
     parser.add_argument("--video-method", default="habc", help="the video policy's RL arm (its control is sft_continued)")
     parser.add_argument("--planning", type=int, default=4, help="candidate chunks of the video policy's planning forms")
     parser.add_argument("--video-set", action="append", default=[], metavar="KEY=VALUE",
@@ -468,9 +470,12 @@ def main() -> None:
     parser.add_argument("--smolvla-checkpoint", default=str(fixture / "tiny-smolvla"),
                         help="the SmolVLA the smolvla arms start from (default: the tiny test fixture, random weights)")
     parser.add_argument("--smolvla-vlm-path", default=str(fixture / "tiny-smolvlm"))
+    parser.add_argument("--pi0-method", default="habc", help="the pi0's RL arm (its control is sft_continued)")
+    parser.add_argument("--pi0-checkpoint", default=str(fixture.parent / "pi0" / "tiny-pi0"),
+                        help="the pi0 the pi0 arms start from (default: the tiny test fixture, random weights)")
     args, overrides = parser.parse_known_args()
-    if unknown := set(args.policies.split(",")) - {"vla", "video", "smolvla"}:
-        parser.error(f"--policies: unknown {sorted(unknown)}; valid: vla, video, smolvla")
+    if unknown := set(args.policies.split(",")) - {"vla", "video", *LEROBOT_KINDS}:
+        parser.error(f"--policies: unknown {sorted(unknown)}; valid: vla, video, {', '.join(LEROBOT_KINDS)}")
     tasks = ["drawer"] if args.quick else args.tasks.split(",")
     video_options = _video_options(args.video_set, parser)
     named_generators = {task: Path(args.video_generator.format(task=task)) for task in tasks} if args.video_generator not in ("", "pretrain") else {}
@@ -546,10 +551,10 @@ def main() -> None:
         generators = named_generators or _video_generators(out, tasks, pretrain=args.video_generator == "pretrain", quick=args.quick)
         arm_jobs += _video_jobs(out, regimes[0], tasks, seeds, starts, configs, base_overrides, args.video_method, args.start,
                                 args.jobs, video_options, generators)  # fmt: skip
-    smolvla = "smolvla" in args.policies.split(",")
-    if smolvla:
-        arm_jobs += _smolvla_jobs(out, regimes[0], tasks, seeds, starts, configs, base_overrides, args.smolvla_method, args.start,
-                                  args.jobs, args.smolvla_checkpoint, args.smolvla_vlm_path)  # fmt: skip
+    lerobot = {kind: LEROBOT_KINDS[kind](args) for kind in LEROBOT_KINDS if kind in args.policies.split(",")}
+    for kind, (method, checkpoint, language) in lerobot.items():
+        arm_jobs += _lerobot_jobs(kind, out, regimes[0], tasks, seeds, starts, configs, base_overrides, method, args.start,
+                                  args.jobs, checkpoint, language)  # fmt: skip
     run_jobs(arm_jobs, jobs_at_once=args.jobs, logs=out / "logs")
 
     # 2. The tables, from the runs' metrics: the first regime's at the top level, each other's under regimes.<name>.
@@ -568,8 +573,8 @@ def main() -> None:
     if video:  # on the first regime's demonstrations
         summary.update(_video_summary(out, regimes[0], tasks, seeds, starts, args.video_method, args.planning, summary["per_task_success"],
                                       generators))  # fmt: skip
-    if smolvla:
-        summary.update(_smolvla_summary(out, regimes[0], tasks, seeds, starts, args.smolvla_method, summary["per_task_success"]))
+    for kind, (method, _, _) in lerobot.items():
+        summary.update(_lerobot_summary(kind, out, regimes[0], tasks, seeds, starts, method, summary["per_task_success"]))
     if len(regimes) > 1:
         summary["regimes"] = {r: blocks[r] for r in regimes[1:]}
     # Wall minutes of this invocation (runs finished earlier and reused count zero), with the jobs it ran at once.
@@ -793,15 +798,23 @@ def _video_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides
                               task_options={task: ["--policy.generator_path", str(run)] for task, run in generators.items()})  # fmt: skip
 
 
-def _smolvla_jobs(out: Path, regime: str, tasks, seeds, starts, configs, overrides, method, start, jobs_at_once,
-                  checkpoint: str, vlm_path: str) -> list[Job]:  # fmt: skip
-    """SmolVLA from `checkpoint` (by default the tiny test fixture: random, so everything trains and the stats are the
-    demos'), SFT on the VLA SFT's demonstrations, then its RL arm and its control, each from the SFT's checkpoint."""
+# --policies KIND for LeRobot's flow VLAs: (RL arm, checkpoint, the options that locate its language side) from the args
+LEROBOT_KINDS = {
+    "smolvla": lambda args: (args.smolvla_method, args.smolvla_checkpoint, ["--policy.vlm_path", args.smolvla_vlm_path]),
+    "pi0": lambda args: (args.pi0_method, args.pi0_checkpoint, []),
+}
+
+
+def _lerobot_jobs(kind: str, out: Path, regime: str, tasks, seeds, starts, configs, overrides, method, start, jobs_at_once,
+                  checkpoint: str, language: list[str]) -> list[Job]:  # fmt: skip
+    """A LeRobot flow VLA (`kind`: smolvla, pi0) from `checkpoint` (by default the tiny test fixture: random, so
+    everything trains and the stats are the demos'), SFT on the VLA SFT's demonstrations, then its RL arm and its
+    control, each from the SFT's checkpoint."""
     if start:
-        raise SystemExit("--policies smolvla branches from the benchmark's own SFT; drop --start")
-    policy = ["--policy.type", "smolvla", "--policy.vlm_path", vlm_path]
+        raise SystemExit(f"--policies {kind} branches from the benchmark's own SFT; drop --start")
+    policy = ["--policy.type", kind, *language]
     sft = ["--policy.checkpoint", checkpoint, "--policy.trainable", "all", "--policy.normalization", "dataset"]
-    return _other_policy_jobs(out, regime, tasks, seeds, starts, configs, overrides, method, jobs_at_once, prefix="smolvla",
+    return _other_policy_jobs(out, regime, tasks, seeds, starts, configs, overrides, method, jobs_at_once, prefix=kind,
                               policy=policy, sft=sft, branch=lambda ckpt: ["--policy.checkpoint", str(ckpt)])  # fmt: skip
 
 
@@ -836,13 +849,13 @@ def _other_policy_jobs(out: Path, regime: str, tasks, seeds, starts, configs, ov
     return arms
 
 
-def _smolvla_summary(out: Path, regime: str, tasks, seeds, starts, method, by_task) -> dict:
-    """smolvla.<arm>.success (sft, rl, sft_continued) with held-out success, the RL arm's margin over its control,
+def _lerobot_summary(kind: str, out: Path, regime: str, tasks, seeds, starts, method, by_task) -> dict:
+    """<kind>.<arm>.success (sft, rl, sft_continued) with held-out success, the RL arm's margin over its control,
     CPU-minutes per run, and batch-1 chunk latency beside the VLA's."""
     from kinema.train.evaluate import ChunkPolicy, batch1_latency_ms
     from policies import load_policy
 
-    arms = {"sft": ("smolvla_sft", "sft"), "rl": ("smolvla_rl", "final"), "sft_continued": ("smolvla_sft_continued", "final")}
+    arms = {"sft": (f"{kind}_sft", "sft"), "rl": (f"{kind}_rl", "final"), "sft_continued": (f"{kind}_sft_continued", "final")}
     rows = {arm: {"success": [], "heldout": [], "cpu": []} for arm in arms}
     paired = []
     for task in tasks:
@@ -855,16 +868,16 @@ def _smolvla_summary(out: Path, regime: str, tasks, seeds, starts, method, by_ta
                 if held:
                     rows[arm]["heldout"].append(float(np.mean(held)))
                 rows[arm]["cpu"].append(_run_cpu_minutes(root / arms[arm][0]) or 0.0)
-                by_task[task].setdefault(f"smolvla_{arm}", []).append(rec["train/success"])
+                by_task[task].setdefault(f"{kind}_{arm}", []).append(rec["train/success"])
             paired.append(records["rl"]["train/success"] - records["sft_continued"]["train/success"])
     for task in tasks:
         for arm in arms:
-            by_task[task][f"smolvla_{arm}"] = round(float(np.mean(by_task[task][f"smolvla_{arm}"])), 4)
+            by_task[task][f"{kind}_{arm}"] = round(float(np.mean(by_task[task][f"{kind}_{arm}"])), 4)
     vla = load_policy(starts[regime, tasks[0], seeds[0]] / "checkpoints" / "sft")
-    smolvla = load_policy(_task_dir(out, regime, tasks[0], seeds[0]) / "smolvla_sft" / "checkpoints" / "sft")
-    task_config = _run_config(_task_dir(out, regime, tasks[0], seeds[0]) / "smolvla_sft").get("task_config") or None
+    other = load_policy(_task_dir(out, regime, tasks[0], seeds[0]) / f"{kind}_sft" / "checkpoints" / "sft")
+    task_config = _run_config(_task_dir(out, regime, tasks[0], seeds[0]) / f"{kind}_sft").get("task_config") or None
     latency = {}
-    for name, policy in (("vla", vla), ("smolvla", smolvla)):
+    for name, policy in (("vla", vla), (kind, other)):
         latency.update({name: round(ms, 1) for name, ms in batch1_latency_ms({name: ChunkPolicy(policy)}, tasks[0],
                                                                                image_size=policy.config.image_size, task_config=task_config).items()})  # fmt: skip
     summary = {arm: {"success": _mean(r["success"]), "success_se": _pooled_se(r["success"]),
@@ -873,10 +886,10 @@ def _smolvla_summary(out: Path, regime: str, tasks, seeds, starts, method, by_ta
     summary.update({"method": method, "rl_margin_over_control": round(float(np.mean(paired)), 4),
                     "rl_margin_over_control_se": round(float(np.std(paired, ddof=1) / math.sqrt(len(paired))), 4) if len(paired) > 1 else None,
                     "latency_ms": latency})  # fmt: skip
-    print(f"smolvla ({method}): SFT {_pct(summary['sft']['success'], summary['sft']['success_se'])}, RL "
+    print(f"{kind} ({method}): SFT {_pct(summary['sft']['success'], summary['sft']['success_se'])}, RL "
           f"{_pct(summary['rl']['success'], summary['rl']['success_se'])}, control "
           f"{_pct(summary['sft_continued']['success'], summary['sft_continued']['success_se'])}; latency {latency}")
-    return {"smolvla": summary}
+    return {kind: summary}
 
 
 def _planned_eval(run: Path, checkpoint: str, candidates: int) -> dict:
