@@ -141,6 +141,21 @@ def test_saved_by_kinema_loads_in_kinema_and_keeps_lerobots_files(tmp_path, refe
                                policy.predict_action_chunk(batch, noise=reference["noise"]))  # fmt: skip
 
 
+def test_a_checkpoint_converted_from_openpi_loads_as_lerobot_loads_it(tmp_path, reference):
+    """Keys without "model.", time_mlp_* for action_time_mlp_*, the embedding only as the tied lm_head, no expert
+    lm_head: LeRobot's from_pretrained fixes these, and so does kinema's; the actions are the fixture's."""
+    folder = tmp_path / "converted"
+    shutil.copytree(CHECKPOINT, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    embedding = weights.pop("model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight")
+    weights["model.paligemma_with_expert.paligemma.lm_head.weight"] = embedding  # tied, as openpi's are
+    del weights["model.paligemma_with_expert.gemma_expert.lm_head.weight"]
+    renamed = {k.removeprefix("model.").replace("action_time_mlp", "time_mlp"): v for k, v in weights.items()}
+    save_file(renamed, str(folder / "model.safetensors"))
+    policy = Pi0Policy.from_pretrained(folder).eval()
+    torch.testing.assert_close(policy.predict_action_chunk(observation(reference), noise=reference["noise"]), reference["actions"], **TOLERANCE)
+
+
 def test_bad_input_is_named(tmp_path, reference):
     policy = load()
     batch = observation(reference)

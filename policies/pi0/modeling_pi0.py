@@ -211,6 +211,21 @@ class Pi0FlowModel(nn.Module):
         return self.action_out_proj(out.float())
 
 
+def lerobot_keys(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A pi0 `model.safetensors` under the names LeRobot's model has, with the fixes LeRobot's `from_pretrained`
+    makes: keys of checkpoints converted from openpi lack "model." and name action_time_mlp_* time_mlp_*; one that
+    holds only the (tied) lm_head gives the language model's embedding from it. (The language heads, absent or not,
+    compute nothing: `from_pretrained` keeps the model's own where a checkpoint has none.)"""
+    out = {}
+    for key, value in state.items():
+        key = key if key.startswith("model.") else f"model.{key}"
+        out[key.replace("model.time_mlp_in.", "model.action_time_mlp_in.").replace("model.time_mlp_out.", "model.action_time_mlp_out.")] = value
+    head, embedding = "model.paligemma_with_expert.paligemma.lm_head.weight", f"{VLM}language_model.embed_tokens.weight"
+    if embedding not in out and head in out:
+        out[embedding] = out[head]
+    return out
+
+
 def resize_with_pad(images: Tensor, height: int, width: int) -> Tensor:
     """openpi's resize: (B, C, H, W) in [0, 1] resized keeping the aspect ratio (bilinear, clamped to [0, 1]), then
     padded with 0 evenly on both sides (the odd pixel after) to (height, width)."""
@@ -267,10 +282,11 @@ class Pi0Policy(LeRobotFlowPolicy):
         if tokenizer_path:
             kinema["tokenizer_path"] = tokenizer_path
         folder, _, config = cls.read_folder(directory, kinema)
-        state = load_file(str(folder / WEIGHTS), device=map_location)
+        state = lerobot_keys(load_file(str(folder / WEIGHTS), device=map_location))
         tokenizer = load_tokenizer(resolve_tokenizer_path(config.tokenizer_path, folder))
         policy = cls(config, tokenizer=tokenizer, sizes=Pi0Sizes.from_weights(state, source=str(folder)), stats=read_processor_stats(folder))
-        policy.take_folder(folder, state, source=str(folder))
+        unused = {k: v for k, v in policy.state_dict().items() if k.endswith("lm_head.weight") and k not in state}
+        policy.take_folder(folder, {**state, **unused}, source=str(folder))
         name = tokenizer_name(folder)
         if name and (folder / name).is_dir():  # LeRobot main saves the tokenizer beside the checkpoint: it goes with it
             for file in sorted((folder / name).iterdir()):
