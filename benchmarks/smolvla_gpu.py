@@ -1,14 +1,17 @@
-"""A full-size SmolVLA's training step and acting on one GPU: the VLM in bf16 against the same model in fp32.
+"""A full-size SmolVLA's (or π0's) training step and acting on one GPU: the VLM in bf16 against the same model in fp32.
 
     python benchmarks/smolvla_gpu.py --checkpoint DIR --vlm-path VLM_DIR   # a SmolVLA you have (LeRobot's folder)
     python benchmarks/smolvla_gpu.py                                       # smolvla_base's size, random weights
     python benchmarks/smolvla_gpu.py --quick                               # the tiny test fixture, CPU, seconds
+    python benchmarks/smolvla_gpu.py --policy pi0 [--checkpoint DIR] [--quick]   # the same for LeRobot's π0
 
 Without --checkpoint the model is smolvla_base's architecture (SmolVLM2-500M's config: 16 of its 32 text layers,
 960 wide; the expert at 0.75 of that width; chunks of 50) with random weights and a stand-in tokenizer: what a step
 costs does not depend on the weights, and nothing is downloaded. Each precision trains `--steps` steps of kinema's
 flow loss on synthetic batches (`--trainable`: by default the action expert, its projections and state_proj,
-LeRobot's default; `lora` adds LoRA on the VLM's text attention) and acts at batch 1; the fp32 run is the reference. Last line: one JSON object with per precision
+LeRobot's default; `lora` adds LoRA on the VLM's text attention) and acts at batch 1. `--policy pi0`: pi0_base's
+size (PaliGemma's gemma_2b and SigLIP-so400m at 224 px, the gemma_300m expert: 4.0 B parameters, 0.8 B of them the two
+unused language heads, 16 GB in fp32; 315 M train with `--trainable expert`), the tiny π0 fixture with --quick; the fp32 run is the reference. Last line: one JSON object with per precision
 `step_s`, `chunk_ms` (batch-1 acting), `peak_memory_gb` (CUDA), the parameter counts, `bf16_over_fp32` (step time)
 and `bf16_action_error` (the largest difference of a chunk from the same inputs and noise).
 """
@@ -26,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 FIXTURE = ROOT / "tests" / "fixtures" / "smolvla"
+PI0_FIXTURE = ROOT / "tests" / "fixtures" / "pi0" / "tiny-pi0"
 # SmolVLM2-500M-Video-Instruct's architecture, as its config.json gives it (what smolvla_base is built on)
 SMOLVLM2_500M = dict(
     vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
@@ -53,9 +57,25 @@ def random_smolvla_base(device: str, trainable: str):
     return SmolVLAPolicy(config, vlm_config=SmolVLMConfig(**SMOLVLM2_500M), tokenizer=tokenizer, stats=stats).to(device)
 
 
+def random_pi0_base(device: str, trainable: str):
+    from policies.pi0 import Pi0Config, Pi0Policy
+    from policies.pi0.modeling_pi0 import load_tokenizer
+
+    config = Pi0Config(chunk_size=50, n_action_steps=50, state_dim=8, action_dim=7, trainable=trainable, num_steps=10)
+    stats = {"observation.state": {"mean": torch.zeros(8), "std": torch.ones(8)},
+             "action": {"mean": torch.zeros(7), "std": torch.ones(7)}}  # fmt: skip
+    tokenizer = load_tokenizer(str(PI0_FIXTURE / "tokenizer"))  # a stand-in: ids < 300
+    return Pi0Policy(config, tokenizer=tokenizer, stats=stats).to(device)
+
+
 def load(args, device: str):
+    from policies.pi0 import Pi0Policy
     from policies.smolvla import SmolVLAPolicy
 
+    if args.policy == "pi0":
+        if args.quick or args.checkpoint:
+            return Pi0Policy.from_pretrained(PI0_FIXTURE if args.quick else args.checkpoint, trainable=args.trainable).to(device)
+        return random_pi0_base(device, args.trainable)
     if args.quick:
         return SmolVLAPolicy.from_pretrained(FIXTURE / "tiny-smolvla", vlm_path=str(FIXTURE / "tiny-smolvlm"), trainable=args.trainable).to(device)
     if args.checkpoint:
@@ -117,12 +137,13 @@ def measure(policy, args, device: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", default="", help="a local LeRobot SmolVLA folder; empty: smolvla_base's size, random")
+    parser.add_argument("--policy", default="smolvla", choices=("smolvla", "pi0"))
+    parser.add_argument("--checkpoint", default="", help="a local LeRobot SmolVLA (pi0) folder; empty: smolvla_base's (pi0_base's) size, random")
     parser.add_argument("--vlm-path", default="", help="the checkpoint's VLM (config and tokenizer), locally")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--image-side", type=int, default=256, help="side of the synthetic camera frames (resized to 512 with padding)")
+    parser.add_argument("--image-side", type=int, default=256, help="side of the synthetic camera frames (resized with padding)")
     parser.add_argument("--act-repeats", type=int, default=10)
     parser.add_argument("--trainable", default="expert", choices=("expert", "lora", "vlm", "all"),
                         help="what trains: the action expert (LeRobot's default), plus LoRA on the VLM, the VLM, everything")
@@ -134,7 +155,8 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         torch.manual_seed(0)
         policy = load(args, args.device)
-        policy.model.vlm_with_expert.vlm.to(getattr(torch, dtype))  # the frozen VLM; the expert trains in fp32
+        vlm = policy.model.paligemma_with_expert.paligemma if args.policy == "pi0" else policy.model.vlm_with_expert.vlm
+        vlm.to(getattr(torch, dtype))  # the frozen VLM; the expert trains in fp32
         results[dtype] = measure(policy, args, args.device)
         results[dtype]["parameters"] = sum(p.numel() for p in policy.parameters())
         results[dtype]["trainable_parameters"] = sum(p.numel() for p in policy.parameters() if p.requires_grad)
@@ -144,7 +166,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     error = float((results["bfloat16"].pop("_chunk") - results["float32"].pop("_chunk")).abs().max())
     summary = {
-        "model": "tiny fixture" if args.quick else (args.checkpoint or "smolvla_base size, random weights"),
+        "model": "tiny fixture" if args.quick else (args.checkpoint or f"{args.policy}_base size, random weights"),
+        "policy": args.policy,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "batch_size": args.batch_size, "steps": args.steps, "trainable": args.trainable, **results,
         "bf16_over_fp32": round(results["bfloat16"]["step_s"] / results["float32"]["step_s"], 3),
