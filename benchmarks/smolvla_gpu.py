@@ -5,15 +5,16 @@
     python benchmarks/smolvla_gpu.py --quick                               # the tiny test fixture, CPU, seconds
     python benchmarks/smolvla_gpu.py --policy pi0 [--checkpoint DIR] [--quick]   # the same for LeRobot's π0
 
-Without --checkpoint the model is smolvla_base's architecture (SmolVLM2-500M's config: 16 of its 32 text layers,
-960 wide; the expert at 0.75 of that width; chunks of 50) with random weights and a stand-in tokenizer: what a step
-costs does not depend on the weights, and nothing is downloaded. Each precision trains `--steps` steps of kinema's
-flow loss on synthetic batches (`--trainable`: by default the action expert, its projections and state_proj,
-LeRobot's default; `lora` adds LoRA on the VLM's text attention) and acts at batch 1. `--policy pi0`: pi0_base's
-size (PaliGemma's gemma_2b and SigLIP-so400m at 224 px, the gemma_300m expert: 4.0 B parameters, 0.8 B of them the two
-unused language heads, 16 GB in fp32; 315 M train with `--trainable expert`), the tiny π0 fixture with --quick; the fp32 run is the reference. Last line: one JSON object with per precision
-`step_s`, `chunk_ms` (batch-1 acting), `peak_memory_gb` (CUDA), the parameter counts, `bf16_over_fp32` (step time)
-and `bf16_action_error` (the largest difference of a chunk from the same inputs and noise).
+Without --checkpoint the model is smolvla_base's architecture (SmolVLM2-500M's config: 16 of its 32 text layers, 960
+wide; the expert at 0.75 of that width; chunks of 50) with random weights and a stand-in tokenizer: what a step costs
+does not depend on the weights, and nothing is downloaded. Each precision trains `--steps` steps of kinema's flow loss
+on synthetic batches (`--trainable`: by default the action expert, its projections and state_proj, LeRobot's default;
+`lora` adds LoRA on the VLM's text attention) and acts at batch 1. `--policy pi0`: pi0_base's size (PaliGemma's
+gemma_2b and SigLIP-so400m at 224 px, the gemma_300m expert: 4.0 B parameters, 0.8 B of them the two unused language
+heads, 16 GB in fp32; 315 M train with `--trainable expert`), the tiny π0 fixture with --quick; the fp32 run is the
+reference. Last line: one JSON object with per precision `step_s`, `chunk_ms` (batch-1 acting), `peak_memory_gb`
+(CUDA), the parameter counts, `bf16_over_fp32` (step time) and `bf16_action_error` (the largest difference of a chunk
+from the same inputs and noise).
 """
 
 from __future__ import annotations
