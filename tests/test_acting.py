@@ -59,4 +59,4 @@ def test_each_policy_type_declares_what_it_can_do_and_implements_what_it_declare
         assert policy_class.scales_initial_noise == ("inference_noise_scale" in {f.name for f in fields(config_class)})
         declared[policy_type] = {flag for flag in [*methods, "scales_initial_noise"] if getattr(policy_class, flag)}
     assert declared == {"vla": {"scales_initial_noise"}, "video": {"plans", "predicts_frames", "learns_from_experience"},
-                        "smolvla": {"scales_initial_noise"}}
+                        "smolvla": {"scales_initial_noise"}, "pi0": {"scales_initial_noise"}}
