@@ -83,7 +83,8 @@ class VLAConfig:
     text_filler_words: float = 0.0
     # Tiny backbone: how words know their order. "absolute": a learned embedding per word slot (a paraphrase that moves
     # the object's words moves what the locators read); "relative": no slot embedding, each word mixes its left and
-    # right neighbours through a width-3 convolution, so "red cube" binds wherever it sits in the sentence.
+    # right neighbours through a width-3 convolution, so "red cube" binds wherever it sits in the sentence. Off by
+    # default: it reads push's paraphrases but loses held-out colour-shape pairs (benchmarks/RESULTS.md).
     text_positions: str = "absolute"
     # Recap's improvement indicator (rl.method recap): the action expert also reads whether a step was an improvement
     # (diffusion_rl.recap: 0 unconditioned, 1 an improvement, 2 not one), as a learned embedding added to its context.
