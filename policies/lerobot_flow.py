@@ -580,8 +580,11 @@ class LeRobotFlowPolicy(ChunkedActing, nn.Module):
             state = {k: v.cpu().contiguous() for k, v in self.lerobot_state_dict().items()}
             save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
             for name, content in {**files, **(extra_files or {})}.items():
-                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                (tmp / name).write_bytes(content)
+                target = (tmp / name).resolve()
+                if not target.is_relative_to(tmp.resolve()):
+                    raise ValueError(f"{name!r} would be written outside the checkpoint folder {directory}")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
             (tmp / self.config.kinema_file).write_text(json.dumps(self.config.kinema_fields(), indent=2) + "\n")
 
     def _stats_file(self, original: bytes) -> bytes:
@@ -614,7 +617,7 @@ def local_folder(candidates: tuple[str, ...], hub_name: str, *, missing: str) ->
             return snapshot_download(hub_name, local_files_only=True)
         except Exception:  # not in the local cache (or not a repo id): say what to do below
             tried.append(f"{hub_name} in the local Hugging Face cache")
-    raise FileNotFoundError(missing.format(tried=tried))
+    raise FileNotFoundError(missing.replace("{tried}", str(tried)))
 
 
 def processor_step(folder: Path, file: str, registry_name: str) -> dict[str, Any] | None:

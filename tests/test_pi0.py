@@ -156,6 +156,27 @@ def test_a_checkpoint_converted_from_openpi_loads_as_lerobot_loads_it(tmp_path, 
     torch.testing.assert_close(policy.predict_action_chunk(observation(reference), noise=reference["noise"]), reference["actions"], **TOLERANCE)
 
 
+def test_a_tokenizer_named_by_path_is_read_there_and_never_written(tmp_path, reference):
+    """A preprocessor whose tokenizer_name is an absolute path (a local PaliGemma tokenizer): kinema reads it there,
+    and saving writes nothing outside the new folder (the tokenizer is LeRobot's to find where it named it)."""
+    folder, tokenizer = tmp_path / "ckpt", tmp_path / "paligemma-tokenizer"
+    shutil.copytree(CHECKPOINT, folder)
+    shutil.move(folder / "tokenizer", tokenizer)
+    pre = json.loads((folder / "policy_preprocessor.json").read_text())
+    for step in pre["steps"]:
+        if step["registry_name"] == "tokenizer_processor":
+            step["config"]["tokenizer_name"] = str(tokenizer)
+            step.pop("artifacts", None)
+    (folder / "policy_preprocessor.json").write_text(json.dumps(pre))
+    before = {f.name: f.stat().st_mtime_ns for f in tokenizer.iterdir()}
+    policy = Pi0Policy.from_pretrained(folder).eval()
+    torch.testing.assert_close(policy.predict_action_chunk(observation(reference), noise=reference["noise"]), reference["actions"], **TOLERANCE)
+    policy.save_pretrained(tmp_path / "saved")
+    assert {f.name: f.stat().st_mtime_ns for f in tokenizer.iterdir()} == before
+    assert not (tmp_path / "saved" / "tokenizer").exists()
+    assert Pi0Policy.from_pretrained(tmp_path / "saved").tokenize(["open"])[0].tolist() == policy.tokenize(["open"])[0].tolist()
+
+
 def test_bad_input_is_named(tmp_path, reference):
     policy = load()
     batch = observation(reference)

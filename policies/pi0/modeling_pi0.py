@@ -152,9 +152,9 @@ class PaliGemmaWithExpert(nn.Module):
             keys.append(k)
             values.append(v)
             hidden = decoder_finish(layer, hidden, attend(rope(q, positions), k, v, mask))
-        real = pad[..., None].to(hidden.dtype)
-        pooled = (self.language_model.norm(hidden) * real).sum(1) / real.sum(1).clamp(min=1)
-        return Prefix(keys, values, pad, torch.cat([pooled.float(), state], dim=-1), state=state)
+        real = pad[..., None].float()  # averaged in float32 whatever the VLM's dtype
+        pooled = (self.language_model.norm(hidden).float() * real).sum(1) / real.sum(1).clamp(min=1)
+        return Prefix(keys, values, pad, torch.cat([pooled, state], dim=-1), state=state)
 
     def expert(self, prefix: Prefix, suffix: Tensor, blocks: Tensor) -> Tensor:
         """The action expert over the suffix (B, Ls, expert width), each layer reading the same layer's prefix keys
@@ -185,8 +185,6 @@ class Pi0FlowModel(nn.Module):
         self.state_proj = nn.Linear(config.max_state_dim, expert)
         self.action_time_mlp_in = nn.Linear(2 * expert, expert)
         self.action_time_mlp_out = nn.Linear(expert, expert)
-        # the suffix's blocks: the state token alone, then the chunk (each action sees the state and every action)
-        self.register_buffer("suffix_blocks", torch.tensor([1, 1] + [0] * (config.chunk_size - 1)), persistent=False)
 
     def encode(self, images: list[Tensor], image_masks: list[Tensor], tokens: Tensor, token_mask: Tensor, state: Tensor) -> Prefix:
         """images: per image feature, (B, 3, R, R) in [-1, 1]; state: (B, max_state_dim), normalised."""
@@ -207,7 +205,10 @@ class Pi0FlowModel(nn.Module):
         fused = torch.cat([actions, time.to(actions.dtype)[:, None].expand_as(actions)], dim=-1)
         chunk = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(fused)))
         suffix = torch.cat([self.state_proj(prefix.state)[:, None], chunk], dim=1)
-        out = self.paligemma_with_expert.expert(prefix, suffix, self.suffix_blocks)[:, -self.config.chunk_size :]
+        # the suffix's blocks: the state token alone, then the chunk (each action sees the state and every action)
+        blocks = torch.zeros(suffix.shape[1], dtype=torch.long, device=suffix.device)
+        blocks[:2] = 1
+        out = self.paligemma_with_expert.expert(prefix, suffix, blocks)[:, -x_t.shape[1] :]
         return self.action_out_proj(out.float())
 
 
@@ -283,12 +284,16 @@ class Pi0Policy(LeRobotFlowPolicy):
             kinema["tokenizer_path"] = tokenizer_path
         folder, _, config = cls.read_folder(directory, kinema)
         state = lerobot_keys(load_file(str(folder / WEIGHTS), device=map_location))
-        tokenizer = load_tokenizer(resolve_tokenizer_path(config.tokenizer_path, folder))
+        tokenizer_dir = resolve_tokenizer_path(config.tokenizer_path, folder)
+        if config.tokenizer_path:  # saved absolute, so that the checkpoint loads from any working directory
+            config.tokenizer_path = tokenizer_dir
+        tokenizer = load_tokenizer(tokenizer_dir)
         policy = cls(config, tokenizer=tokenizer, sizes=Pi0Sizes.from_weights(state, source=str(folder)), stats=read_processor_stats(folder))
         unused = {k: v for k, v in policy.state_dict().items() if k.endswith("lm_head.weight") and k not in state}
         policy.take_folder(folder, {**state, **unused}, source=str(folder))
         name = tokenizer_name(folder)
-        if name and (folder / name).is_dir():  # LeRobot main saves the tokenizer beside the checkpoint: it goes with it
+        beside = (folder / name).resolve() if name and not Path(name).is_absolute() else None
+        if beside and beside.is_dir() and beside.is_relative_to(folder.resolve()):  # LeRobot main's: it goes with the folder
             for file in sorted((folder / name).iterdir()):
                 policy._lerobot_files[f"{name}/{file.name}"] = file.read_bytes()
         return policy
@@ -308,7 +313,7 @@ def resolve_tokenizer_path(tokenizer_path: str, folder: Path) -> str:
     return local_folder((tokenizer_path, str(folder / name) if name else "", name), name, missing=(
         f"{folder}: no local folder for the pi0's tokenizer (tried {{tried}}); name a local copy of PaliGemma's tokenizer "
         "(nothing is downloaded): `kinema train --policy.tokenizer_path DIR`, or a file kinema_pi0.json beside the "
-        'checkpoint holding {{"tokenizer_path": "DIR"}}'))  # fmt: skip
+        'checkpoint holding {"tokenizer_path": "DIR"}'))  # fmt: skip
 
 
 def load_tokenizer(path: str) -> Any:

@@ -316,7 +316,7 @@ def resolve_vlm_path(vlm_path: str, vlm_model_name: str, *, source: str) -> str:
         f"{source}: no local folder for the SmolVLA's VLM (tried {{tried}}); name a local copy of the checkpoint's "
         "vlm_model_name (its config.json and tokenizer files are read; nothing is downloaded): `kinema train "
         f"--policy.vlm_path DIR`, or for `kinema eval` / `kinema deploy` a file {KINEMA_FILE} beside the checkpoint "
-        'holding {{"vlm_path": "DIR"}}'))  # fmt: skip
+        'holding {"vlm_path": "DIR"}'))  # fmt: skip
 
 
 def load_vlm(path: str) -> tuple[Any, Any]:
