@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from policies.lerobot_flow import IMAGE_PREFIX, TRAINABLE, LeRobotFlowConfig
+from policies.lerobot_flow import LeRobotFlowConfig
 
 KINEMA_FILE = "kinema_smolvla.json"
-__all__ = ["IMAGE_PREFIX", "KINEMA_FILE", "TRAINABLE", "SmolVLAConfig"]
 
 
 @dataclass
