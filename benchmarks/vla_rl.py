@@ -460,7 +460,8 @@ def main() -> None:
     parser.add_argument("--video-method", default="habc", help="the video policy's RL arm (its control is sft_continued)")
     parser.add_argument("--planning", type=int, default=4, help="candidate chunks of the video policy's planning forms")
     parser.add_argument("--video-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a video policy option for its runs, as --policy.KEY VALUE (repeatable), e.g. action_head=expert")
+                        help="a video policy option for its runs, as --policy.KEY VALUE (repeatable), e.g. action_head=expert; "
+                        "a dotted KEY is another kinema train key of the video runs alone, e.g. sft.batch_size=16")
     parser.add_argument("--video-generator", default="", metavar="pretrain|RUN",
                         help="the video policy's trunk: empty, a tiny random Wan; 'pretrain', a `kinema video train` "
                         "pre-training (no post-training rounds) on each task's videos, in <out>/<task>-video_generator, its "
@@ -755,13 +756,15 @@ VIDEO_ARMS = ("video_sft", "video_rl", "video_sft_continued")
 
 
 def _video_options(pairs: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    """--video-set KEY=VALUE ... as the runs' --policy.KEY VALUE overrides."""
+    """--video-set KEY=VALUE ... as the video runs' --policy.KEY VALUE overrides; a dotted KEY (sft.batch_size=16) is
+    any other `kinema train` key of those runs alone."""
     options = []
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            parser.error(f"--video-set takes KEY=VALUE (a video policy option, e.g. action_head=expert); got {pair!r}")
-        options += [f"--policy.{key}", value]
+            parser.error(f"--video-set takes KEY=VALUE (a video policy option, e.g. action_head=expert, or a dotted "
+                         f"kinema train key, e.g. sft.batch_size=16); got {pair!r}")  # fmt: skip
+        options += [f"--{key}" if "." in key else f"--policy.{key}", value]
     return options
 
 

@@ -186,6 +186,44 @@ def test_the_expert_head_acts_from_one_transformer_pass_over_the_current_slots()
         VideoPolicyConfig(action_head="expert", slot_times="shared", acting="joint")
 
 
+def test_the_expert_reads_the_block_it_names_and_with_expert_text_the_instruction_itself():
+    """expert_layer k: the head reads block k's outputs over the current slots, and the blocks after it do not run for
+    it; the default (-1) reads the last block, as the head always did. expert_text: the instruction reaches the head
+    directly, so that two instructions over the same frames give the head different inputs in the text columns only."""
+    b = {k: v[:2] for k, v in batch(future=False).items()}
+    last, first = tiny(action_head="expert").eval(), tiny(action_head="expert", expert_layer=0).eval()
+    first.load_state_dict(last.state_dict())
+    ran: list[int] = []
+    hooks = [blk.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, blk in enumerate(last.generator.transformer.blocks)]
+    hooks += [blk.register_forward_hook(lambda m, a, o, i=i: ran.append(10 + i)) for i, blk in enumerate(first.generator.transformer.blocks)]
+    with torch.no_grad():
+        ctx = last.encode(b)[0]
+        seen = []
+        grab = last.generator.transformer.blocks[0].register_forward_hook(lambda m, a, o: seen.append(o))
+        read_last = last.trunk_features(ctx)
+        grab.remove()
+        read_first = first.trunk_features(ctx)
+    for hook in hooks:
+        hook.remove()
+    assert ran == [0, 1, 10]  # the default pass ran both blocks; expert_layer 0 stopped after the first
+    torch.testing.assert_close(read_first[:, :-8], first.token_proj(seen[0].float()).flatten(1))
+    assert not torch.allclose(read_first, read_last)
+    with pytest.raises(ValueError, match="expert_layer names one of the transformer's 2 blocks"):
+        tiny(action_head="expert", expert_layer=2)
+    with pytest.raises(ValueError, match="expert_layer and expert_text.*set action_head 'expert'"):
+        VideoPolicyConfig(action_head="slot", acting="joint", slot_times="shared", expert_text=True)
+
+    policy = tiny(action_head="expert", expert_text=True).eval()
+    other = {**b, "task": ["open the bottom drawer"] * 2}
+    with torch.no_grad():
+        a, c = policy.trunk_features(policy.encode(b)[0]), policy.trunk_features(policy.encode(other)[0])
+    text = policy.generator.transformer.config.text_dim
+    assert a.shape[1] == read_last.shape[1] + text
+    assert not torch.allclose(a[:, -text:], c[:, -text:])
+    n = len(policy.generator.pipeline().tokenizer(["open the drawer"])["input_ids"][0])  # its words and the end token
+    torch.testing.assert_close(a[:, -text:], policy.encode(b)[0].prompt.float()[:, :n].mean(1))  # padding left out
+
+
 def test_a_checkpoint_written_before_slot_times_existed_acts_as_it_was_trained(tmp_path: Path):
     policy = tiny(slot_times="shared", acting="joint", action_head="slot").eval()
     policy.save_pretrained(str(tmp_path / "old"))

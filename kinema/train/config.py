@@ -239,6 +239,8 @@ class VideoPolicyOptions(PolicyOptions):
     acting: str = "actions"  # "actions": acting denoises the action slot alone (cheap) | "joint": the whole sequence, futures too
     action_head: str = "expert"  # "expert": a flow MLP on the transformer's features denoises the chunk | "slot": the transformer, as a slot
     action_gradients: str = "trunk"  # expert head: "stop" keeps the action loss out of the transformer (Video Policy)
+    expert_layer: int = -1  # expert head: the transformer block whose outputs over the current slots it reads (-1: the last)
+    expert_text: bool = False  # expert head: also reads the instruction's mean text embedding itself
 
     def advice(self) -> str | None:
         if self.generator_path:

@@ -70,6 +70,13 @@ class VideoPolicyConfig:
     expert_hidden: int = 256
     expert_layers: int = 3
     expert_token_dim: int = 16  # each current-slot token's feature projected to this width before the expert reads it
+    # Which transformer block's output over the current slots the expert reads: -1 the last (as before), k block k
+    # (the blocks after it are not run for the head). The last block's outputs at the given slots feed no generated
+    # slot, so the video loss never shapes them; an earlier block's are the keys and values the futures are read from.
+    expert_layer: int = -1
+    # The instruction read by the expert head itself as well (the mean of its text embedding beside the trunk's
+    # features), not only through the trunk's cross-attention
+    expert_text: bool = False
     # --- values, planning, learning from experience ---
     value_discount: float = 0.99  # value target: outcome · γ^(steps from the chunk's end to the episode's end)
     planning_candidates: int = 1  # best-of-N chunks ranked by predicted value; 1: no planning
@@ -114,6 +121,8 @@ class VideoPolicyConfig:
             if self.planning_value == "joint":
                 raise ValueError("VideoPolicyConfig.planning_value 'joint' reads the value the sequence denoises beside "
                                  "the action slot; with action_head 'expert' values come from the world model ('world')")  # fmt: skip
+        if (self.expert_layer != -1 or self.expert_text) and self.action_head != "expert":
+            raise ValueError("VideoPolicyConfig.expert_layer and expert_text shape what the expert head reads: set action_head 'expert'")
         if not 0.0 <= self.actions_only_share <= 1.0:
             raise ValueError(f"VideoPolicyConfig.actions_only_share must be in [0, 1]; got {self.actions_only_share}")
         if self.acting == "actions" and self.action_head == "slot" and self.actions_only_share == 0.0:
@@ -172,4 +181,5 @@ class VideoPolicyConfig:
         "generator_path", "video_size", "pixel_scale_spatial", "num_layers", "num_attention_heads", "attention_head_dim",
         "ffn_dim", "text_dim", "max_text_tokens", "lora_rank", "lora_alpha", "cameras", "image_size", "state_dim",
         "action_dim", "chunk_size", "slot_times", "action_head", "expert_hidden", "expert_layers", "expert_token_dim",
+        "expert_layer", "expert_text",
     )  # fmt: skip

@@ -55,6 +55,18 @@ class Context:
     prompt: Tensor
 
 
+class _TrunkRead(Exception):
+    """Ends the trunk's pass once the block the expert head reads has run (`VideoPolicy.trunk_features`)."""
+
+
+def mean_text_embedding(prompt: Tensor) -> Tensor:
+    """(B, L, D) prompt embeddings -> (B, D): the mean over the instruction's tokens (the pipeline zeroes the
+    padding after them, which is left out so that a short instruction is not scaled down)."""
+    prompt = prompt.float()
+    tokens = (prompt.abs().sum(-1, keepdim=True) > 0).float()
+    return (prompt * tokens).sum(1) / tokens.sum(1).clamp(min=1.0)
+
+
 def tile(vectors: Tensor, shape: tuple[int, int, int]) -> Tensor:
     """(B, D) -> (B, C, h, w): the vector repeated to fill a latent frame, the remainder zero."""
     B, D = vectors.shape
@@ -108,10 +120,15 @@ class VideoPolicy(ChunkedActing, nn.Module):
             from policies.vla.modeling_vla import ActionExpert
 
             wan = self.generator.transformer.config
+            if not -wan.num_layers <= config.expert_layer < wan.num_layers:
+                raise ValueError(f"policy.expert_layer names one of the transformer's {wan.num_layers} blocks "
+                                 f"({-wan.num_layers}..{wan.num_layers - 1}); got {config.expert_layer}")  # fmt: skip
             tokens = (side // wan.patch_size[1]) * (side // wan.patch_size[2]) * config.current_slots
+            text = int(wan.text_dim) if config.expert_text else 0
             self.token_proj = nn.Linear(wan.num_attention_heads * wan.attention_head_dim, config.expert_token_dim)
             self.expert = ActionExpert(VLAConfig(
-                chunk_size=config.chunk_size, action_dim=config.action_dim, hidden_dim=tokens * config.expert_token_dim + config.state_dim,
+                chunk_size=config.chunk_size, action_dim=config.action_dim,
+                hidden_dim=tokens * config.expert_token_dim + config.state_dim + text,
                 expert_hidden=config.expert_hidden, expert_layers=config.expert_layers,
             ))  # fmt: skip
         self.register_buffer("state_mean", torch.zeros(config.state_dim))
@@ -299,20 +316,31 @@ class VideoPolicy(ChunkedActing, nn.Module):
         return loss
 
     def trunk_features(self, ctx: Context) -> Tensor:
-        """What the expert head reads, (B, D): the transformer's last hidden states over the clean current slots (one
-        pass over them alone), each token projected to expert_token_dim, and the normalised state. With
-        action_gradients "stop" the hidden states are detached: the action loss trains the head, not the trunk."""
+        """What the expert head reads, (B, D): the hidden states of transformer block `expert_layer` over the clean
+        current slots (one pass over them alone, stopped after that block), each token projected to expert_token_dim,
+        the normalised state, and with `expert_text` the instruction's mean text embedding. With action_gradients
+        "stop" the hidden states are detached: the action loss trains the head, not the trunk."""
         current = torch.cat([ctx.images, self.encode_vector(ctx.state)[:, :, None]], dim=2)  # the leading slots' latents
         seen: list[Tensor] = []
-        hook = self.generator.transformer.norm_out.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+
+        def keep(module: nn.Module, args: Any, output: Tensor) -> None:
+            seen.append(output)
+            raise _TrunkRead  # the blocks after it (and the output head) would compute what nothing reads
+
+        hook = self.generator.transformer.blocks[self.config.expert_layer].register_forward_hook(keep)
         try:
             self.generator.x0_pred(current, current.new_zeros(current.shape[0], current.shape[2]), ctx.prompt)
+        except _TrunkRead:
+            pass
         finally:
             hook.remove()
         hidden = seen[-1].float()
         if self.config.action_gradients == "stop":
             hidden = hidden.detach()
-        return torch.cat([self.token_proj(hidden).flatten(1), ctx.state], dim=1)
+        parts = [self.token_proj(hidden).flatten(1), ctx.state]
+        if self.config.expert_text:
+            parts.append(mean_text_embedding(ctx.prompt))
+        return torch.cat(parts, dim=1)
 
     def _expert_loss(self, batch: Mapping[str, Any], ctx: Context, chunk: Any, t: Tensor, weights: Tensor | None) -> Tensor:
         """The expert head's per-sample flow-matching loss (B,) on the chunk (B, H, A), padded actions left out."""
