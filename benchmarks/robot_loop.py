@@ -110,10 +110,15 @@ def deploy_parity(sft: Path, task: str, seed: int, episodes: int, seconds: float
     finally:
         _stop(robot)
     lines = (folder / "logs" / f"parity-{inference}-deploy.out").read_text().splitlines()
-    bridge = [bool(r["success"]) for r in map(json.loads, filter(lambda x: x.startswith("{"), lines)) if r.get("event") == "episode"]
+    events = [json.loads(x) for x in lines if x.startswith("{")]
+    bridge = [bool(r["success"]) for r in events if r.get("event") == "episode"]
     outcomes = _success(sft, "sft")["outcomes"]
     in_eval = [outcomes[s] for s in range(first, first + len(bridge))]
     result = {"episodes": len(bridge), "bridge": sum(bridge) / len(bridge), "eval": sum(in_eval) / len(in_eval)}
+    # How the node acted: --inference auto turns asynchronous when inference slows (a loaded CPU), which costs success.
+    stats = next((r["stats"] for r in events if r.get("event") == "summary"), {})
+    result["sync_chunk_share"] = round(stats.get("sync_requests", 0) / max(1, stats.get("requests", 0)), 3)
+    result["starved_ticks"] = stats.get("starved_ticks", 0)
     kept.write_text(json.dumps(result))
     return result
 
