@@ -327,6 +327,34 @@ def test_a_short_training_run_lowers_the_loss_on_a_fixed_batch_and_changes_the_w
     assert not any(p.requires_grad for p in policy.generator.text_encoder.parameters())  # the frozen encoder stays
 
 
+def test_a_state_far_outside_the_demonstrations_is_bounded_before_it_becomes_a_slot(monkeypatch):
+    """A state dimension nearly constant in the demonstrations (std 2e-3, the gripper's tilt) is tens of stds out in
+    a rollout. Unbounded, that z-score becomes a future.state target whose squared error swamps the action loss (what
+    made HABC's rounds collapse the video policy); bounded at STATE_CLIP stds, the loss stays of the order of the
+    in-distribution one."""
+    from policies.video_policy import modeling_video_policy as vp
+
+    policy = tiny(action_head="expert")
+    std = np.ones(8, np.float32)
+    std[3] = 2e-3
+    policy.set_normalization({"observation.state": {"mean": np.zeros(8, np.float32), "std": std}})
+    b = batch(4)
+    far = {**b, "observation.state": b["observation.state"].clone(), "future.state": b["future.state"].clone()}
+    far["observation.state"][:, 3] = 0.1  # 50 stds out
+    far["future.state"][:, 3] = 0.1
+    assert policy._state(far["observation.state"])[:, 3].abs().max() == pytest.approx(vp.STATE_CLIP * vp.STATE_SCALE)
+
+    def loss(x):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return float(policy.flow_loss(x).mean())
+
+    near, bounded = loss(b), loss(far)
+    monkeypatch.setattr(vp, "STATE_CLIP", float("inf"))
+    unbounded = loss(far)
+    assert bounded < 1.5 * near and unbounded > 5 * bounded, (near, bounded, unbounded)
+
+
 @pytest.mark.parametrize("head", ["slot", "expert"])
 def test_flow_loss_is_per_sample_and_weighted_by_the_credit(head: str):
     policy = tiny(action_head=head)
