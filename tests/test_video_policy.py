@@ -327,11 +327,11 @@ def test_a_short_training_run_lowers_the_loss_on_a_fixed_batch_and_changes_the_w
     assert not any(p.requires_grad for p in policy.generator.text_encoder.parameters())  # the frozen encoder stays
 
 
-def test_a_state_far_outside_the_demonstrations_is_bounded_before_it_becomes_a_slot(monkeypatch):
+def test_a_state_far_outside_the_demonstrations_is_bounded_before_it_becomes_a_slot(tmp_path: Path):
     """A state dimension nearly constant in the demonstrations (std 2e-3, the gripper's tilt) is tens of stds out in
     a rollout. Unbounded, that z-score becomes a future.state target whose squared error swamps the action loss (what
-    made HABC's rounds collapse the video policy); bounded at STATE_CLIP stds, the loss stays of the order of the
-    in-distribution one."""
+    made HABC's rounds collapse the video policy); bounded at state_clip stds, the loss stays of the order of the
+    in-distribution one. A checkpoint written before the bound existed keeps acting unbounded, as it was trained."""
     from policies.video_policy import modeling_video_policy as vp
 
     policy = tiny(action_head="expert")
@@ -342,7 +342,7 @@ def test_a_state_far_outside_the_demonstrations_is_bounded_before_it_becomes_a_s
     far = {**b, "observation.state": b["observation.state"].clone(), "future.state": b["future.state"].clone()}
     far["observation.state"][:, 3] = 0.1  # 50 stds out
     far["future.state"][:, 3] = 0.1
-    assert policy._state(far["observation.state"])[:, 3].abs().max() == pytest.approx(vp.STATE_CLIP * vp.STATE_SCALE)
+    assert policy._state(far["observation.state"])[:, 3].abs().max() == pytest.approx(policy.config.state_clip * vp.STATE_SCALE)
 
     def loss(x):
         torch.manual_seed(0)
@@ -350,9 +350,15 @@ def test_a_state_far_outside_the_demonstrations_is_bounded_before_it_becomes_a_s
             return float(policy.flow_loss(x).mean())
 
     near, bounded = loss(b), loss(far)
-    monkeypatch.setattr(vp, "STATE_CLIP", float("inf"))
+    policy.config.state_clip = 0.0
     unbounded = loss(far)
     assert bounded < 1.5 * near and unbounded > 5 * bounded, (near, bounded, unbounded)
+    policy.save_pretrained(str(tmp_path / "old"))
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    config.pop("state_clip")
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    assert load_policy(tmp_path / "old").config.state_clip == 0.0
+    assert VideoPolicyConfig().state_clip == 5.0
 
 
 @pytest.mark.parametrize("head", ["slot", "expert"])

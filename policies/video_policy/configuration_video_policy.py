@@ -13,7 +13,7 @@ ACTING = ("actions", "joint")
 ACTION_HEADS = ("slot", "expert")
 ACTION_GRADIENTS = ("trunk", "stop")
 # What a config.json written before a field existed describes: the model as it was then trained and acted.
-LEGACY_FIELDS = {"slot_times": "shared", "acting": "joint", "action_head": "slot"}
+LEGACY_FIELDS = {"slot_times": "shared", "acting": "joint", "action_head": "slot", "state_clip": 0.0}
 
 
 @dataclass
@@ -83,6 +83,11 @@ class VideoPolicyConfig:
     planning_value: str = "world"  # "world": re-predict future + value given each chunk (Cosmos); "joint": the policy pass's value
     planning_value_samples: int = 1  # world-model passes per candidate (majority vote on success, then the mean)
     experience_fraction: float = 0.5  # RL updates: replay steps (uniform) per demo/credit batch step, world/value modes
+    # z-scored states bounded at this many stds before they become a slot (0: unbounded, as checkpoints written before
+    # it act). The state is a slot the flow loss predicts (future.state), and a dimension nearly constant in the
+    # demonstrations (the gripper's tilt: std 2e-3) sits tens of stds out in a rollout: a squared error in the hundreds
+    # that swamps the actions' loss
+    state_clip: float = 5.0
     aux_dim: int = 0  # accepted for the trainer's interface; the video policy has no privileged head
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (tasks seen), not architecture
 
@@ -123,6 +128,8 @@ class VideoPolicyConfig:
                                  "the action slot; with action_head 'expert' values come from the world model ('world')")  # fmt: skip
         if (self.expert_layer != -1 or self.expert_text) and self.action_head != "expert":
             raise ValueError("VideoPolicyConfig.expert_layer and expert_text shape what the expert head reads: set action_head 'expert'")
+        if self.state_clip < 0:
+            raise ValueError(f"VideoPolicyConfig.state_clip must be >= 0 (0: unbounded); got {self.state_clip}")
         if not 0.0 <= self.actions_only_share <= 1.0:
             raise ValueError(f"VideoPolicyConfig.actions_only_share must be in [0, 1]; got {self.actions_only_share}")
         if self.acting == "actions" and self.action_head == "slot" and self.actions_only_share == 0.0:
@@ -181,5 +188,5 @@ class VideoPolicyConfig:
         "generator_path", "video_size", "pixel_scale_spatial", "num_layers", "num_attention_heads", "attention_head_dim",
         "ffn_dim", "text_dim", "max_text_tokens", "lora_rank", "lora_alpha", "cameras", "image_size", "state_dim",
         "action_dim", "chunk_size", "slot_times", "action_head", "expert_hidden", "expert_layers", "expert_token_dim",
-        "expert_layer", "expert_text",
+        "expert_layer", "expert_text", "state_clip",
     )  # fmt: skip

@@ -43,7 +43,6 @@ from policies.video_policy.configuration_video_policy import VideoPolicyConfig
 POLICY, WORLD, VALUE = 0, 1, 2  # conditioning modes
 MODE_NAMES = {"policy": POLICY, "world": WORLD, "value": VALUE}
 STATE_SCALE = 0.5  # z-scored states are halved to sit in the latents' [-1, 1] range mostly
-STATE_CLIP = 5.0  # z-scores beyond it carry nothing the demonstrations taught
 
 
 @dataclass
@@ -162,10 +161,10 @@ class VideoPolicy(ChunkedActing, nn.Module):
 
     def _state(self, state: Any) -> Tensor:
         s = torch.as_tensor(state, device=self.device, dtype=torch.float32)
-        # Bounded: the state is a slot the flow loss predicts (future.state), and a dimension nearly constant in the
-        # demonstrations (the gripper's tilt: std 2e-3) sits tens of stds out in a rollout, a squared error in the
-        # hundreds that swamps the actions' loss.
-        return ((s - self.state_mean) / self.state_std).clamp(-STATE_CLIP, STATE_CLIP) * STATE_SCALE
+        z = (s - self.state_mean) / self.state_std
+        if self.config.state_clip:  # VideoPolicyConfig.state_clip: why
+            z = z.clamp(-self.config.state_clip, self.config.state_clip)
+        return z * STATE_SCALE
 
     def encode(self, batch: Mapping[str, Any]) -> tuple[Context, Context]:
         """(context, what an aux head would read): the trainer computes it once per minibatch."""
