@@ -11,7 +11,7 @@
     flips every camera image when it extracts observations, as the adapter does). `--flip-images` is for files whose
     images are upside down (robosuite's raw frames saved without robomimic's flip);
   - `observation.state` (8,) = `ee_state_vector(position, rotation, opening)`, the adapter's own function: the grip
-    site's position in the robot-base frame, its orientation as a wxyz quaternion with w >= 0 in the base frame, and
+    site's position in the robot-base frame, its orientation as a wxyz quaternion in the base frame (the sign nearer the hand pointing down, `sim.env.STATE_QUAT_REFERENCE`), and
     the gripper opening in [0, 1]. robomimic's `robot0_eef_pos` is the grip site in the world frame, but
     `robot0_eef_quat` (xyzw, world) is the orientation of the `right_hand` *body* (robosuite <= 1.5 reads it there),
     which differs from the grip site's by the gripper's mounting rotation; `robot0_gripper_qpos` are the finger joints'
@@ -320,7 +320,7 @@ def import_robomimic(path: str | Path, out: str | Path, *, instruction: str | No
             "images": "flipped vertically (--flip-images)" if flip_images else "as stored (robomimic writes them right "
                       "side up)",
             "quaternion": "robot0_eef_quat (right_hand body, xyzw, world) turned to the grip site; base frame, wxyz, "
-                          "w >= 0",
+                          "the sign nearer the hand pointing down",
         }
         writer = LeRobotDatasetWriter(out, fps=control_hz, overwrite=overwrite, robot_type="panda",
                                       mode="a" if not overwrite and out.is_dir() and any(out.iterdir()) else "w",
@@ -468,7 +468,7 @@ def _import_robomimic(args: argparse.Namespace) -> int:
     print(f"imported {result.episodes} robomimic demos ({result.frames} frames) of {result.env_name} into {result.out}")
     print(f"  instruction: {result.instruction!r}")
     print(f"  cameras: {', '.join(result.cameras) or 'none (low-dim file)'}; {r['images']}")
-    print(f"  observation.state: grip-site position and wxyz quaternion (w >= 0) in the robot-base frame, gripper "
+    print(f"  observation.state: grip-site position and wxyz quaternion (sign nearer the hand pointing down) in the robot-base frame, gripper "
           f"opening in [0, 1]; frames from {result.frames_origin}")
     print(f"  {r['action_scale_note']}"
           + (f"; {result.clipped_actions} values clipped to [-1, 1]" if result.clipped_actions else ""))

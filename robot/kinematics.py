@@ -2,7 +2,7 @@
 
 A policy trained in sim acts with EE deltas (7,) = translation (3) * pos_scale metres, axis-angle rotation (3) *
 rot_scale radians (world frame), gripper (1) in [-1, 1], and observes `observation.state` (8,) = EE position,
-EE quaternion wxyz (sign fixed so w >= 0), gripper opening in [0, 1]. This module turns joint positions into that
+EE quaternion wxyz (sign nearer the hand pointing down), gripper opening in [0, 1]. This module turns joint positions into that
 state and those actions into joint position targets, so the same policy drives a joint-position robot unchanged.
 
 The conventions deliberately reproduce `sim/env.py` (`ee_state_vector`, POS_SCALE/ROT_SCALE) and `sim/arm.py`
@@ -23,12 +23,16 @@ import numpy as np
 from robot.config import RobotConfig
 
 
+# sim/env.py's STATE_QUAT_REFERENCE (robot/ may not import sim/): the hand pointing down.
+STATE_QUAT_REFERENCE = np.array([0.0, 1.0, 0.0, 0.0])
+
+
 def quat_wxyz(mat: np.ndarray) -> np.ndarray:
-    """Unit quaternion (w, x, y, z) of a rotation matrix, with w >= 0 (q and -q are one rotation; one sign keeps the
-    policy's input continuous)."""
+    """Unit quaternion (w, x, y, z) of a rotation matrix, with the sign the simulator's state uses (q and -q are one
+    rotation; the sign nearer the hand pointing down keeps the policy's input continuous where the tasks are worked)."""
     quat = np.zeros(4)
     mujoco.mju_mat2Quat(quat, np.asarray(mat, dtype=np.float64).reshape(-1))
-    return -quat if quat[0] < 0 else quat
+    return -quat if quat @ STATE_QUAT_REFERENCE < 0 else quat
 
 
 class Kinematics:

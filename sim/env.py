@@ -87,11 +87,16 @@ def policy_spaces(cameras: tuple[str, ...], image_hw: tuple[int, int]) -> tuple[
     return gym.spaces.Dict(spaces), gym.spaces.Box(-1.0, 1.0, (7,), np.float32)
 
 
+# The state's quaternion takes the sign on this side of the hand pointing down (home), where the tasks are worked:
+# the sign that makes w >= 0 flips x between +1 and -1 as the hand tilts through w = 0, right at that pose.
+STATE_QUAT_REFERENCE = np.array([0.0, 1.0, 0.0, 0.0])
+
+
 def ee_state_vector(pos: np.ndarray, mat: np.ndarray, opening: float) -> np.ndarray:
     """`observation.state` (8,): end-effector position, quaternion wxyz, gripper opening in [0, 1]."""
     quat = np.zeros(4)
     mujoco.mju_mat2Quat(quat, np.asarray(mat, dtype=np.float64).reshape(-1))
-    if quat[0] < 0:  # q and -q are the same rotation; keep one sign so the policy sees a continuous input
+    if quat @ STATE_QUAT_REFERENCE < 0:  # q and -q are one rotation: the sign nearer the hand pointing down
         quat = -quat
     return np.concatenate([pos, quat, [opening]]).astype(np.float32)
 

@@ -6,7 +6,7 @@ raises an ImportError that says how to install it.
 
 Same contract as `sim.env.TabletopEnv`:
 - observation dict: `observation.images.agentview`, `observation.images.wrist` (uint8 HWC, 96x96 default, right side
-  up), `observation.state` float32 (8,) = EE position (3, m, robot-base frame), EE quaternion wxyz (4, w >= 0, base
+  up), `observation.state` float32 (8,) = EE position (3, m, robot-base frame), EE quaternion wxyz (4, sign nearer the hand pointing down, base
   frame), gripper opening in [0, 1] (1); `task` = instruction string;
 - action Box(-1, 1, (7,)) = EE translation delta (3, base frame), rotation delta (3, axis-angle, base frame), gripper
   (+1 closes, -1 opens), mapped onto robosuite's OSC_POSE controller (delta input, base frame) at 20 Hz;

@@ -174,12 +174,12 @@ def test_key_mapping(imported):
 
 
 def test_state_is_what_the_adapter_observes(imported):
-    """Position in the (rotated) base frame, the grip site's quaternion as wxyz with w >= 0, the opening in [0, 1]."""
+    """Position in the (rotated) base frame, the grip site's quaternion as wxyz on the hand-down side (x >= 0 near it), the opening in [0, 1]."""
     demos, _, episodes, _ = imported
     for sim, ep in zip(demos.values(), episodes, strict=True):
         state = ep.observations["observation.state"]
         np.testing.assert_allclose(state, sim["state"], atol=2e-5)
-        assert (state[:, 3] >= 0).all()
+        assert (state[:, 3:7] @ np.array([0.0, 1.0, 0.0, 0.0]) >= 0).all()  # sim.env.STATE_QUAT_REFERENCE's side
         np.testing.assert_allclose(np.linalg.norm(state[:, 3:7], axis=1), 1.0, atol=1e-5)
         assert ((state[:, 7] >= 0) & (state[:, 7] <= 1)).all() and state[:, 7].std() > 0.05
 

@@ -109,7 +109,7 @@ def test_reset_step_interface(envs, task):
         assert img.std() > 5, f"{cam} image of {task} is blank"
     state = obs["observation.state"]
     assert state.dtype == np.float32 and state.shape == (8,)
-    assert abs(np.linalg.norm(state[3:7]) - 1) < 1e-4 and state[3] >= 0  # unit quaternion, w >= 0
+    assert abs(np.linalg.norm(state[3:7]) - 1) < 1e-4 and state[4] >= 0  # unit quaternion, the hand-down side
     assert 0.0 <= state[7] <= 1.0
     assert env.observation_space.contains(obs)
     assert obs["task"] in [t.format(**ROBOSUITE_TASKS[task].fmt) for t in ROBOSUITE_TASKS[task].instructions.train]
