@@ -157,7 +157,7 @@ def test_video_policy_options_and_generator_are_checked_before_any_run(tmp_path:
         assert done.returncode == 2
         return done.stderr
 
-    assert "--video-set takes KEY=VALUE (a video policy option, e.g. action_head=expert); got 'expert'" in refused("--video-set", "expert")
+    assert "--video-set takes KEY=VALUE (a video policy option, e.g. action_head=expert, or a dotted kinema train key, e.g. sft.batch_size=16); got 'expert'" in refused("--video-set", "expert")
     missing = str(tmp_path / "gen-{task}")
     assert f"--video-generator: {tmp_path / 'gen-drawer'} is not a `kinema video train` run (no final/)" in refused("--video-generator", missing)
     assert not (tmp_path / "bench").exists()
