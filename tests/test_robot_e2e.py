@@ -157,6 +157,10 @@ def test_takeover_over_dds_is_recorded_as_human_steps(procs, listener, tmp_path)
             time.sleep(0.05)
     finally:
         teleop.close()
+    handed_back, deadline = len(commands), time.monotonic() + 10
+    while len(commands) < handed_back + 3:  # a few policy ticks after the hand-back (a loaded machine may lag them)
+        assert time.monotonic() < deadline and deploy.poll() is None, procs.logs()
+        time.sleep(0.05)
     # An e-stop from a plain (volatile, reliable) publisher, as `ros2 topic pub` sends it, latches a hold.
     estop = transport.publisher(ROBOT.topics.estop, msg.Bool)
     for _ in range(3):
