@@ -162,7 +162,7 @@ class VideoPolicy(ChunkedActing, nn.Module):
     def _state(self, state: Any) -> Tensor:
         s = torch.as_tensor(state, device=self.device, dtype=torch.float32)
         z = (s - self.state_mean) / self.state_std
-        if self.config.state_clip:  # VideoPolicyConfig.state_clip: why
+        if self.config.state_clip:  # why: VideoPolicyConfig.state_clip
             z = z.clamp(-self.config.state_clip, self.config.state_clip)
         return z * STATE_SCALE
 
